@@ -1,0 +1,360 @@
+"""Typed configuration: YAML files plus `dotted.key=value` overrides, validated in two phases.
+
+Phase 1 (`load_config`) checks what is knowable from the text alone: keys, types, choices and
+model shape rules. Phase 2 (`jaxtrain.mesh.validate_against_devices`) runs after distributed
+init, when the device count is known, and before anything is written to disk.
+
+Every user error raises `ConfigError`; the CLI turns it into one stderr line and exit code 2.
+YAML is read with `yaml.safe_load`: nothing in a config is ever executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A problem the user can fix in the config or command line (exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"  # human-readable run name, shown in events and TensorBoard
+    output_dir: str = "runs/run"  # run directory: config.yaml, metrics.jsonl, events.jsonl, checkpoints/
+    seed: int = 0  # seeds parameter init and the dropout/RNG stream
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100  # optimizer steps to run in total (a resumed run counts from its checkpoint)
+    log_every: int = 10  # write metrics.jsonl / TensorBoard every N steps
+    grad_accum: int = 1  # microbatches per step, accumulated with lax.scan
+    eval_every: int = 0  # evaluate on data.eval every N steps (0 = never)
+    eval_batches: int = 4  # batches per evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-4  # peak learning rate after warmup
+    warmup_steps: int = 100  # linear warmup from 0 to learning_rate
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio at train.steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0  # global-norm clipping threshold (0 = off)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # data-parallel replicas (-1 = the devices left over)
+    stage: int = 1  # pipeline stages
+    fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
+    tensor: int = 1  # tensor (Megatron) parallelism
+    dcn_data: int = 1  # of `data`, how many replicas span hosts (slow network); multi-host only
+    dcn_fsdp: int = 1  # of `fsdp`, how many shards span hosts; multi-host only
+    # logical axis -> mesh axis (or list of mesh axes, or null = replicated). This one table
+    # decides every parameter and activation sharding in the model.
+    rules: dict = dataclasses.field(default_factory=lambda: {
+        "batch": ["data", "fsdp"],
+        "length": None,
+        "embed": "fsdp",
+        "vocab": "tensor",
+        "mlp": "tensor",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        "layers": None,
+        "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
+    })
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4  # grouped-query attention: num_heads must be a multiple of this
+    head_dim: int = 32
+    mlp_dim: int = 512  # SwiGLU hidden size
+    max_seq_len: int = 2048  # longest sequence the rotary tables are built for
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # share the input embedding with the output head
+    scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
+    remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy per layer
+    attention: Literal["auto", "xla", "pallas", "triton", "cudnn"] = "auto"
+    init_std: float = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: Literal["markov", "tokens", "text"] = "markov"
+    path: Optional[str] = None  # file, directory or glob (tokens/text sources)
+    tokenizer: str = "bytes"  # `bytes` or a path to a Hugging Face tokenizers JSON file
+    seq_len: int = 128
+    global_batch_size: int = 8  # sequences per optimizer step, over all processes
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of `tokens` files
+    shuffle: bool = True
+    seed: int = 0  # seeds the global data order (independent of run.seed)
+    prefetch: int = 2  # batches prepared ahead on background threads
+    eval: Optional[str] = None  # held-out path for the same source (file, directory or glob)
+    markov_states: int = 64  # markov source: number of token states (<= model.vocab_size)
+    markov_branching: int = 4  # markov source: successors per state
+    markov_temperature: float = 1.0  # markov source: softness of transition probabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    policy: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute dtype; parameters stay fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 0  # save every N steps (0 = only by time / at the end)
+    every_minutes: float = 0.0  # save when this much wall time has passed since the last save
+    keep_last: int = 3  # keep the newest N checkpoints
+    keep_every: int = 0  # additionally keep every K-th step forever (0 = none)
+    async_save: bool = True  # write in the background while training continues
+    save_at_end: bool = True  # save when train.steps is reached
+    init_from: Optional[str] = None  # start a new run from another run's parameters only
+    compilation_cache_dir: Optional[str] = "~/.cache/jaxtrain/xla"  # persistent XLA cache (null = off)
+    barrier_timeout_s: float = 300.0  # host barriers fail after this, naming missing processes
+
+
+@dataclasses.dataclass(frozen=True)
+class ChaosConfig:
+    """Fault injection for tests and drills; all off by default."""
+
+    kill_at_step: int = -1  # SIGKILL a process right after this step completes
+    kill_process: int = 0  # which process kill_at_step kills
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    run: RunConfig = RunConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    chaos: ChaosConfig = ChaosConfig()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, *overrides: str) -> "Config":
+        """A copy with `dotted.key=value` overrides applied and validated again."""
+        return from_dict(_apply_overrides(self.to_dict(), list(overrides)))
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every valid dotted key, e.g. 'model.d_model'."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        ftype = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(ftype):
+            keys += all_keys(ftype, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:  # a misspelled section: suggest by the last part
+        last = key.rsplit(".", 1)[-1]
+        close = [k for k in all_keys() if k.endswith("." + last)][:1]
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, t: Any) -> Any:
+    """Check `value` against type `t`; return it (ints widen to float). Raise ConfigError."""
+    origin = typing.get_origin(t)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(t)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}' expects {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(t)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+    elif t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif t is str:
+        if isinstance(value, str):
+            return value
+    elif t is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    elif t is list or origin is list:
+        if isinstance(value, list):
+            return value
+    else:
+        raise TypeError(f"unsupported config type {t} for {key}")
+    raise ConfigError(f"config key '{key}' expects {_type_name(t)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise _unknown_key(prefix + str(k))
+    kwargs = {}
+    for name, value in data.items():
+        t = hints[name]
+        if dataclasses.is_dataclass(t):
+            kwargs[name] = _build(t, value if value is not None else {}, prefix + name + ".")
+        else:
+            kwargs[name] = _coerce(prefix + name, value, t)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    """Build and phase-1-validate a Config from a nested dict."""
+    cfg = _build(Config, data or {}, "")
+    validate(cfg)
+    return cfg
+
+
+def _apply_overrides(data: dict, overrides: list[str]) -> dict:
+    valid = set(all_keys())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=10)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if key not in valid:
+            raise _unknown_key(key)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': value is not valid YAML ({e.__class__.__name__})") from None
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[leaf] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (optional) and apply `dotted.key=value` overrides.
+
+    Args:
+      path: YAML file; None starts from the defaults.
+      overrides: strings like 'train.steps=20' or 'model.attention=xla'. Values parse as YAML.
+    Returns:
+      A frozen, phase-1-validated Config.
+    Raises:
+      ConfigError: missing file, bad YAML, unknown key, wrong type or invalid combination.
+    """
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    return from_dict(_apply_overrides(data, list(overrides)))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Phase 1: rules that need no devices. Raises ConfigError naming the keys involved."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.head_dim": m.head_dim,
+        "model.mlp_dim": m.mlp_dim, "model.max_seq_len": m.max_seq_len, "data.seq_len": d.seq_len,
+        "data.global_batch_size": d.global_batch_size, "train.steps": t.steps, "train.log_every": t.log_every,
+        "train.grad_accum": t.grad_accum, "mesh.stage": cfg.mesh.stage, "data.prefetch": d.prefetch + 1,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {value}")
+    for axis in ("data", "fsdp", "tensor", "stage"):
+        v = getattr(cfg.mesh, axis)
+        if v == 0 or v < -1:
+            raise ConfigError(f"config key 'mesh.{axis}' must be a positive size or -1 (fill), got {v}")
+    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tensor", "stage")) > 1:
+        raise ConfigError("only one of mesh.data/stage/fsdp/tensor may be -1 (fill with the remaining devices)")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads} "
+            "(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} is larger than model.max_seq_len={m.max_seq_len}")
+    if d.global_batch_size % t.grad_accum:
+        raise ConfigError(
+            f"data.global_batch_size={d.global_batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    if d.source == "markov" and not 2 <= d.markov_states <= m.vocab_size:
+        raise ConfigError(
+            f"data.markov_states={d.markov_states} must be between 2 and model.vocab_size={m.vocab_size}")
+    if d.source == "markov" and not 1 <= d.markov_branching <= d.markov_states:
+        raise ConfigError(f"data.markov_branching={d.markov_branching} must be between 1 and data.markov_states")
+    if d.source in ("tokens", "text") and not d.path:
+        raise ConfigError(f"data.source={d.source} needs data.path (a file, directory or glob)")
+    if cfg.mesh.stage != 1:
+        raise ConfigError("mesh.stage > 1 (pipeline parallelism) is not available in this version; use data/fsdp/tensor")
+    if cfg.precision.policy == "fp16":
+        raise ConfigError("precision.policy=fp16 needs dynamic loss scaling, which this version does not have; use bf16 or fp32")
+    for logical, target in cfg.mesh.rules.items():
+        targets = target if isinstance(target, list) else [target]
+        for a in targets:
+            if a is not None and a not in ("data", "stage", "fsdp", "tensor"):
+                raise ConfigError(
+                    f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, tensor")
+    if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
