@@ -1,0 +1,168 @@
+"""Llama-style decoder in Flax NNX, in reading order: norm -> rotary -> attention -> MLP -> block -> decoder.
+
+Shape suffixes: B batch, L length, D d_model, N q-heads, K kv-heads, H head_dim, F mlp, V vocab.
+
+Every parameter carries logical axis names (`out_sharding` metadata); `jaxtrain.sharding` maps
+them to mesh axes through the config's rules table. Activations are constrained by logical name
+with `sharding.constrain`. Layers are created stacked (leading `layers` axis) and run with
+`lax.scan`, so compile time does not grow with depth; `scan_layers=False` unrolls the same
+stacked parameters (used to test that both agree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.sharding import constrain
+from kernels import flash_attention
+
+# Parameters get logical names as metadata only; shardings are decided by jaxtrain.sharding.
+nnx.use_eager_sharding(False)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
+        self.eps = eps
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x32 = x_BLD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x_BLD.dtype)
+
+
+def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float) -> jax.Array:
+    """Rotate channel pairs (i, i + H/2) by position-dependent angles (Llama's layout)."""
+    H = x_BLnH.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
+    angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angle_BLh)[:, :, None, :], jnp.cos(angle_BLh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLnH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLnH.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: N query heads share K key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        # Output projection scaled down with depth (GPT-2/Llama practice) to keep residuals stable.
+        self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.theta, self.implementation = cfg.rope_theta, cfg.attention
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
+        q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype))
+        k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype))
+        v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype))
+        q_BLNH = constrain(rotary(q_BLNH, positions_BL, self.theta), ("batch", "length", "heads", "head_dim"))
+        k_BLKH = constrain(rotary(k_BLKH, positions_BL, self.theta), ("batch", "length", "kv_heads", "head_dim"))
+        v_BLKH = constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
+        o_BLNH = flash_attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids=segment_ids_BL,
+                                 implementation=self.implementation)
+        return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.mlp_dim
+        self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+
+    def __call__(self, x_BLD, dtype):
+        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dtype))
+        up_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dtype))
+        h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
+        return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dtype))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype)
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype)
+        return constrain(x_BLD, ("batch", "length", "act_embed"))
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer; recompute it all in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model. `model(tokens_BL, positions_BL, segment_ids_BL) -> logits_BLV` (fp32)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model ** -0.5)
+
+    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        cfg, dtype = self.cfg, self.dtype
+        if positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
+        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(dtype)
+        x_BLD = constrain(x_BLD, ("batch", "length", "act_embed"))
+
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(x_BLD, one_layer):
+            return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype), None
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            x_BLD, _ = jax.lax.scan(layer, x_BLD, layers)
+        else:
+            for i in range(cfg.num_layers):
+                x_BLD, _ = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], layers))
+
+        x_BLD = self.final_norm(x_BLD)
+        head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
+        return constrain(logits_BLV, ("batch", "length", "vocab"))
+
+
+def logical_axes(params_state: nnx.State) -> dict:
+    """Nested dict of logical-name tuples, matching `nnx.to_pure_dict(params_state)`."""
+    def walk(node):
+        if isinstance(node, nnx.Variable):
+            return tuple(node.get_metadata()["out_sharding"])
+        return {k: walk(v) for k, v in node.items()}
+    return walk(params_state)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in matmuls per token (all but the embedding lookup and norms)."""
+    D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    per_layer = D * H * (2 * N + 2 * K) + 3 * D * F
+    return cfg.num_layers * per_layer + D * cfg.vocab_size

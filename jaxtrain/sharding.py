@@ -1,0 +1,105 @@
+"""Logical axis names -> mesh axes, through the one rules table in `mesh.rules`.
+
+Model code names logical axes (`embed`, `mlp`, `heads`, `kv_heads`, `vocab`, `layers`, `batch`,
+`length`, ...) and never mesh axes. Everything here turns those names into `PartitionSpec`s:
+parameters (with a divisibility check per parameter, never a silent fallback to replication),
+activations (`constrain`, a no-op outside `use_rules`) and input batches (`global_batch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain.config import ConfigError
+
+Rules = dict[str, Any]  # logical name -> mesh axis | [mesh axes] | None
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxtrain_rules", default=None)
+
+
+def logical_to_spec(names: tuple[str | None, ...], rules: Rules) -> P:
+    """PartitionSpec for a tensor whose dimensions carry these logical names."""
+    spec, used = [], set()
+    for name in names:
+        target = rules.get(name) if name is not None else None
+        axes = [a for a in (target if isinstance(target, list) else [target]) if a is not None]
+        axes = [a for a in axes if a not in used]  # a mesh axis may shard only one dimension
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*spec)
+
+
+def _axis_size(mesh: Mesh, entry: Any) -> int:
+    if entry is None:
+        return 1
+    entries = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[a] for a in entries)
+
+
+def param_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for a parameter tree.
+
+    Args:
+      logical: tree of tuples of logical names (one per dimension), same structure as `shapes`.
+      shapes: tree of arrays or ShapeDtypeStructs.
+    Raises:
+      ConfigError: a dimension not divisible by the mesh axes it maps to, naming the parameter.
+    """
+    def one(path, names, leaf):
+        spec = logical_to_spec(names, rules)
+        for dim, (size, entry) in enumerate(zip(leaf.shape, spec)):
+            ways = _axis_size(mesh, entry)
+            if size % ways:
+                raise ConfigError(
+                    f"parameter '{jax.tree_util.keystr(path)}' with shape {tuple(leaf.shape)}: dimension {dim} "
+                    f"('{names[dim]}', size {size}) is not divisible by mesh axes {entry} of size {ways}; "
+                    "change the mesh sizes or mesh.rules")
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, logical, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Activate `constrain` while tracing a function (the train step sets this)."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; no-op when no rules are active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Sharding of [batch, length] inputs."""
+    return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
+    """Assemble this process's rows into global arrays (the same call on every process)."""
+    sharding = batch_sharding(mesh, rules)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def bytes_per_device(tree: Any) -> dict[int, int]:
+    """Bytes each device holds for a tree of sharded arrays (for tests and `inspect`)."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out

@@ -1,0 +1,250 @@
+"""The training loop: wires config, mesh, model, step, data, checkpoints and logs together.
+
+Usable whole (`Trainer(cfg).fit()`) or step by step from a notebook:
+
+    trainer = Trainer(load_config("configs/tiny.yaml", ["train.steps=50"]))
+    metrics = trainer.step()          # one optimizer step, metrics as Python numbers
+    model = trainer.model()           # an nnx.Module holding the current parameters
+
+Order of work (abstract first, nothing built unsharded): phase-2 config checks -> mesh ->
+abstract model (`nnx.eval_shape`) -> shardings from the rules table -> restore-or-init directly
+into those shardings -> compile the step once -> loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import kernels
+from jaxtrain import __version__
+from jaxtrain.config import Config, ConfigError, save_config
+from jaxtrain.data import build_eval_data, build_train_data
+from jaxtrain.mesh import build_mesh, validate_against_devices
+from jaxtrain.metrics import RunLog, flops_per_step, peak_flops_per_device
+from jaxtrain.model import Transformer, logical_axes
+from jaxtrain.sharding import batch_sharding, global_batch, param_shardings
+from jaxtrain.step import compute_dtype, make_eval_step, make_optimizer, make_train_step
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def check_attention_available(cfg: Config, platform: str) -> str:
+    """Resolve `model.attention` for this platform, as a ConfigError when unavailable."""
+    try:
+        return kernels.resolve_implementation(cfg.model.attention, platform)
+    except ValueError as e:
+        raise ConfigError(f"model.attention={cfg.model.attention}: {e}") from None
+
+
+class Trainer:
+    """One training run. Construction validates, builds the sharded state and compiles the step."""
+
+    def __init__(self, cfg: Config, *, console: IO[str] | None = None, write_files: bool = True,
+                 devices: list[jax.Device] | None = None):
+        """Args:
+          cfg: the validated config.
+          console: where the live progress line goes (None: nowhere).
+          write_files: False keeps the run directory untouched (notebooks, tests).
+          devices: the devices to build the mesh on (default: all of the job's devices).
+        """
+        self.cfg = cfg
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        devices = list(devices) if devices is not None else jax.devices()
+        # Phase-2 validation: needs the device count, runs before anything is written.
+        self.mesh_sizes = validate_against_devices(cfg, len(devices))
+        self.attention = check_attention_available(cfg, devices[0].platform)
+        self.mesh = build_mesh(cfg.mesh, devices)
+        self.rules = cfg.mesh.rules
+
+        # Abstract model -> logical axes -> shardings. Nothing is allocated yet.
+        model_cfg = cfg.model
+        dtype = compute_dtype(cfg)
+        abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.run.seed), dtype=dtype))
+        self.graphdef, abstract_params = nnx.split(abstract)
+        self.logical = logical_axes(abstract_params)
+        abstract_params = nnx.to_pure_dict(abstract_params)
+        self.param_shardings = param_shardings(self.logical, abstract_params, self.mesh, self.rules)
+        self.num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract_params))
+
+        self.optimizer = make_optimizer(cfg)
+        replicated = NamedSharding(self.mesh, P())
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt_shardings = optax.tree_map_params(
+            self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
+            transform_non_params=lambda _: replicated)
+        self.state_shardings = {"step": replicated, "params": self.param_shardings,
+                                "opt_state": opt_shardings, "rng": replicated}
+        self.batch_sharding = batch_sharding(self.mesh, self.rules)
+
+        # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
+        self.data = build_train_data(cfg, self.process_index, self.process_count)
+        self.state = self._init_state()
+        self._compile()
+
+        self.output_dir = Path(cfg.run.output_dir)
+        primary = self.process_index == 0 and write_files
+        if primary:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.output_dir / "config.yaml")
+        self.log = RunLog(str(self.output_dir), console=console, enabled=primary)
+        self.flops_per_step = flops_per_step(cfg)
+        self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
+        self._pending: tuple[int, dict, float] | None = None  # last step's device metrics, read one step late
+        self._host_step = self.step_count
+        self._last_log = (self._host_step, time.perf_counter())
+
+    # ------------------------------------------------------------------ building
+
+    def _init_state(self) -> dict:
+        cfg, graphdef = self.cfg, self.graphdef
+        dtype = compute_dtype(cfg)
+
+        def init() -> dict:
+            model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.run.seed), dtype=dtype)
+            params = nnx.to_pure_dict(nnx.state(model))
+            return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
+                    "rng": jax.random.key_data(jax.random.key(cfg.run.seed))}
+
+        # Built directly in its shardings: no device ever holds the whole model.
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def _abstract_batch(self) -> dict:
+        d = self.cfg.data
+        shape = (d.global_batch_size, d.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+
+    def _compile(self) -> None:
+        """Compile the step and eval step once, ahead of time, with explicit shardings."""
+        replicated = NamedSharding(self.mesh, P())
+        step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules)
+        jitted = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        t = time.perf_counter()
+        abstract_state = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.state_shardings)
+        self.lowered_step = jitted.lower(abstract_state, self._abstract_batch())
+        self.compiled_step = self.lowered_step.compile()
+        self.compile_s = time.perf_counter() - t
+        eval_fn = make_eval_step(self.graphdef, self.mesh, self.rules)
+        self.eval_step = jax.jit(eval_fn, in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=(replicated, replicated))
+
+    # ------------------------------------------------------------------ stepping
+
+    @property
+    def step_count(self) -> int:
+        return int(jax.device_get(self.state["step"]))  # a host sync: not for the hot loop
+
+    def _next_batch(self) -> tuple[dict, float]:
+        local = next(self.data)
+        wait = float(getattr(self.data, "last_wait_s", 0.0))
+        return global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules), wait
+
+    def _dispatch(self) -> int:
+        """Queue one step on the device; returns the step number it produces."""
+        batch, wait = self._next_batch()
+        self.state, metrics = self.compiled_step(self.state, batch)
+        self._host_step += 1  # the host's count, so it never has to read the device's step
+        self._pending = (self._host_step, metrics, wait)
+        return self._host_step
+
+    def _record(self, step: int, metrics: dict, wait: float) -> dict:
+        """Turn a finished step's device metrics into a log record (reads them: a host sync)."""
+        values = {k: v.item() for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        last_step, last_time = self._last_log
+        steps = max(step - last_step, 1)
+        step_time = (now - last_time) / steps
+        self._last_log = (step, now)
+        n_dev = self.mesh.size
+        tflops_per_device = self.flops_per_step / step_time / n_dev / 1e12
+        d = self.cfg.data
+        return {
+            "step": step, "loss": values["loss"], "grad_norm": values["grad_norm"],
+            "learning_rate": values["learning_rate"], "loss_scale": values["loss_scale"],
+            "step_time_s": step_time, "tokens_per_sec": values["tokens"] / step_time,
+            "tflops_per_device": tflops_per_device, "mfu": tflops_per_device * 1e12 / self.peak_flops,
+            "skipped": bool(values["skipped"]), "data_wait_s": wait,
+            "tokens_per_step": d.global_batch_size * d.seq_len,
+        }
+
+    def step(self) -> dict:
+        """Run one step and return its metrics (synchronous: for notebooks and tests)."""
+        self._flush_pending(force=False)
+        self._last_log = (self._host_step, time.perf_counter())
+        self._dispatch()
+        step, metrics, wait = self._pending
+        self._pending = None
+        return self._record(step, metrics, wait)
+
+    def _flush_pending(self, force: bool) -> None:
+        """Read the previous step's metrics if it was a log step (one step late: no stall)."""
+        if self._pending is None:
+            return
+        step, metrics, wait = self._pending
+        self._pending = None
+        if force or step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
+            record = self._record(step, metrics, wait)
+            if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
+                record["eval_loss"] = self.evaluate()
+            self.log.metrics(record)
+
+    def evaluate(self, num_batches: int | None = None) -> float | None:
+        """Mean loss per token on the held-out data (data.eval), or None without one."""
+        data = build_eval_data(self.cfg, self.process_index, self.process_count)
+        if data is None:
+            return None
+        total, count = 0.0, 0.0
+        for _ in range(num_batches or self.cfg.train.eval_batches):
+            local = next(data)
+            batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
+            loss_sum, tokens = jax.device_get(self.eval_step(self.state["params"], batch))
+            total, count = total + float(loss_sum), count + float(tokens)
+        if hasattr(data, "close"):
+            data.close()
+        return total / max(count, 1.0)
+
+    def model(self) -> Transformer:
+        """The model with the current parameters (for inference in a notebook)."""
+        return nnx.merge(self.graphdef, self.state["params"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        """Train until train.steps. Returns a summary (final step, last logged loss)."""
+        cfg = self.cfg
+        start = self._host_step
+        self.log.event("start", start, devices=self.mesh.size, processes=self.process_count,
+                       mesh=self.mesh_sizes, params=self.num_params, attention=self.attention,
+                       compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
+                       peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
+        self._last_log = (start, time.perf_counter())
+        while self._host_step < cfg.train.steps:
+            self._flush_pending(force=False)
+            step = self._dispatch()
+            if step == cfg.chaos.kill_at_step and self.process_index == cfg.chaos.kill_process:
+                jax.block_until_ready(self.state)
+                os.kill(os.getpid(), signal.SIGKILL)  # fault drill: die without any cleanup
+        self._flush_pending(force=True)
+        jax.block_until_ready(self.state)
+        self.log.event("done", self.step_count)
+        return {"step": self.step_count}
+
+    def close(self) -> None:
+        if hasattr(self.data, "close"):
+            self.data.close()
+        self.log.close()
