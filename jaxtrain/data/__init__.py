@@ -3,75 +3,96 @@
 `build_train_data(cfg, process_index, process_count)` returns an iterator of this process's
 share of each global batch: a dict of numpy arrays, each [global_batch / process_count, seq_len]:
   tokens (int32), targets (int32), segment_ids (int32, 0 = padding), positions (int32),
-  loss_mask (float32, 0 where the target is padding).
+  loss_mask (float32, 0 where the target is padding or in another document).
 Process p holds rows [p*b, (p+1)*b) of the global batch, which is the same whatever the number
 of processes. Iterators expose `get_state()` / `set_state()` (JSON-able) for checkpoints,
-`skip_batches(n)`, `entropy_floor` (nats, or None when unknown) and `last_wait_s`.
+`skip_batches(n)`, `reset()`, `close()` (stops background threads), `entropy_floor` (nats, or
+None when unknown), `last_wait_s` (seconds the last `next()` waited) and `num_batches` (global
+batches in one pass, None when endless).
+
+Sources (`data.source`): `markov` (synthetic, known entropy floor), `tokens` (memory-mapped
+token files, see `sources.py`) and `text` (.txt/.jsonl tokenized at open). Packing is in
+`packing.py`, the ordered, sharded, prefetched iterator in `pipeline.py`, tokenizers in
+`tokenizer.py`, and `jaxtrain prepare-data` in `prepare.py`. docs/data.md has the whole story.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from jaxtrain.config import Config
+from jaxtrain.data.markov import MarkovData
+from jaxtrain.data.packing import SequenceSource
+from jaxtrain.data.pipeline import PackedData
+from jaxtrain.data.sources import Corpus, open_text, open_tokens
+from jaxtrain.data.tokenizer import load_tokenizer
 
-from jaxtrain.config import Config, ConfigError
-from jaxtrain.data.markov import MarkovChain
+# The last eval corpus opened, keyed by everything that decides its content: evaluation builds a
+# fresh iterator each time, and re-tokenizing a text eval set every time would waste minutes.
+_eval_cache: dict[tuple, Corpus] = {}
 
 
-class MarkovData:
-    """Global batch at step s is a pure function of (data.seed, s): trivially resumable."""
+def open_corpus(cfg: Config, path: str, key: str) -> Corpus:
+    """Open `path` as the configured source (tokens or text), checked against model.vocab_size.
 
-    def __init__(self, cfg: Config, process_index: int, process_count: int, *, stream: int = 0):
-        d = cfg.data
-        self.chain = MarkovChain(d.markov_states, d.markov_branching, d.markov_temperature, seed=d.seed)
-        self.seed, self.stream = d.seed, stream
-        self.seq_len, self.global_batch = d.seq_len, d.global_batch_size
-        if self.global_batch % process_count:
-            raise ConfigError(f"data.global_batch_size={self.global_batch} is not divisible by the "
-                              f"{process_count} processes")
-        self.local_batch = self.global_batch // process_count
-        self.row0 = process_index * self.local_batch
-        self.index = 0
-        self.last_wait_s = 0.0
+    Args:
+      cfg: the config (data.* and model.vocab_size are used).
+      path: file, directory or glob.
+      key: config key named in error messages ('data.path' or 'data.eval').
+    Returns:
+      The corpus.
+    Raises:
+      ConfigError: anything wrong with the files, the tokenizer or the ids.
+    """
+    d = cfg.data
+    if d.source == "tokens":
+        return open_tokens(path, token_dtype=d.token_dtype, eod_id=d.eod_id, vocab_size=cfg.model.vocab_size, key=key)
+    tokenizer = load_tokenizer(d.tokenizer, d.eod_id)
+    return open_text(path, tokenizer, vocab_size=cfg.model.vocab_size, text_field=d.text_field, key=key)
 
-    @property
-    def entropy_floor(self) -> float:
-        return self.chain.entropy_rate
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, self.stream, self.index])
-        seqs = self.chain.sample(self.seq_len + 1, rng, self.global_batch)[self.row0:self.row0 + self.local_batch]
-        self.index += 1
-        b, L = self.local_batch, self.seq_len
-        return {
-            "tokens": seqs[:, :-1],
-            "targets": seqs[:, 1:],
-            "segment_ids": np.ones((b, L), np.int32),
-            "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (b, L)).copy(),
-            "loss_mask": np.ones((b, L), np.float32),
-        }
-
-    def get_state(self) -> dict:
-        return {"index": self.index}
-
-    def set_state(self, state: dict) -> None:
-        self.index = int(state["index"])
-
-    def skip_batches(self, n: int) -> None:
-        self.index += n
+def _eval_corpus(cfg: Config) -> Corpus:
+    d = cfg.data
+    cache_key = (d.source, d.eval, d.tokenizer, d.eod_id, d.text_field, d.token_dtype, cfg.model.vocab_size)
+    if cache_key not in _eval_cache:
+        _eval_cache.clear()
+        _eval_cache[cache_key] = open_corpus(cfg, d.eval, "data.eval")
+    return _eval_cache[cache_key]
 
 
 def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1):
-    """The training iterator for `cfg.data`, yielding this process's rows of each global batch."""
-    if cfg.data.source == "markov":
+    """The training iterator for `cfg.data`, yielding this process's rows of each global batch.
+
+    Args:
+      cfg: the config.
+      process_index, process_count: this process and how many read the data (jax.process_*).
+    Returns:
+      An iterator (see the module docstring); its background thread is already prefetching.
+    Raises:
+      ConfigError: bad paths, files, tokenizer or ids, for data.path and for data.eval (checked
+        now, so a bad eval set fails before any file is written rather than at the first eval).
+    """
+    d = cfg.data
+    if d.source == "markov":
         return MarkovData(cfg, process_index, process_count)
-    raise ConfigError(f"data.source={cfg.data.source} is not available in this version")
+    corpus = open_corpus(cfg, d.path, "data.path")
+    if d.eval:
+        _eval_corpus(cfg)
+    return PackedData(SequenceSource(corpus, d.seq_len), global_batch=d.global_batch_size,
+                      process_index=process_index, process_count=process_count, seed=d.seed,
+                      shuffle=d.shuffle, repeat=True, prefetch=d.prefetch)
 
 
 def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1):
-    """The held-out iterator (data.eval), or None when no eval source is configured."""
-    if cfg.data.source == "markov" and cfg.train.eval_every:
-        return MarkovData(cfg, process_index, process_count, stream=1)
-    return None
+    """The held-out iterator (data.eval), or None when no eval source is configured.
+
+    The iterator passes over the eval set once, in file order; batches after its end are padding
+    (loss_mask 0), so a masked mean over any number of batches is exact. `num_batches` is one pass.
+    Call `reset()` (or build a new one) to evaluate again from the start.
+    """
+    d = cfg.data
+    if d.source == "markov":
+        return MarkovData(cfg, process_index, process_count, stream=1) if cfg.train.eval_every else None
+    if not d.eval:
+        return None
+    return PackedData(SequenceSource(_eval_corpus(cfg), d.seq_len), global_batch=d.global_batch_size,
+                      process_index=process_index, process_count=process_count, seed=d.seed,
+                      shuffle=False, repeat=False, prefetch=d.prefetch)

@@ -7,7 +7,11 @@ stationary distribution, so the best achievable next-token loss is exactly the e
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+
+from jaxtrain.config import Config, ConfigError
 
 
 class MarkovChain:
@@ -55,3 +59,58 @@ class MarkovChain:
             cur = self.successors[cur, choice]
             out[:, t] = cur
         return out
+
+
+class MarkovData:
+    """Global batch at step s is a pure function of (data.seed, s): trivially resumable."""
+
+    def __init__(self, cfg: Config, process_index: int, process_count: int, *, stream: int = 0):
+        d = cfg.data
+        self.chain = MarkovChain(d.markov_states, d.markov_branching, d.markov_temperature, seed=d.seed)
+        self.seed, self.stream = d.seed, stream
+        self.seq_len, self.global_batch = d.seq_len, d.global_batch_size
+        if self.global_batch % process_count:
+            raise ConfigError(f"data.global_batch_size={self.global_batch} is not divisible by the "
+                              f"{process_count} processes")
+        self.local_batch = self.global_batch // process_count
+        self.row0 = process_index * self.local_batch
+        self.index = 0
+        self.last_wait_s = 0.0  # sampled in next() itself, on demand (cheap at test sizes)
+        self.num_batches = None  # endless: every index is a fresh sample
+
+    @property
+    def entropy_floor(self) -> float:
+        return self.chain.entropy_rate
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        rng = np.random.default_rng([self.seed, self.stream, self.index])
+        seqs = self.chain.sample(self.seq_len + 1, rng, self.global_batch)[self.row0:self.row0 + self.local_batch]
+        self.index += 1
+        b, L = self.local_batch, self.seq_len
+        self.last_wait_s = time.perf_counter() - t0
+        return {
+            "tokens": seqs[:, :-1],
+            "targets": seqs[:, 1:],
+            "segment_ids": np.ones((b, L), np.int32),
+            "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (b, L)).copy(),
+            "loss_mask": np.ones((b, L), np.float32),
+        }
+
+    def get_state(self) -> dict:
+        return {"index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+    def skip_batches(self, n: int) -> None:
+        self.index += n
+
+    def reset(self) -> None:
+        self.index = 0
+
+    def close(self) -> None:
+        """Nothing to stop: batches are sampled on demand."""

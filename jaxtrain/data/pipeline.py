@@ -1,0 +1,146 @@
+"""The batch iterator: a seeded global order of packed rows, this process's share, prefetched.
+
+Global order. Rows of the packed corpus (`SequenceSource`) are put in a Grain `MapDataset`,
+shuffled with Grain's index shuffle (a seeded bijection per epoch, computed per index, so no
+permutation is ever stored) and repeated with a new shuffle each epoch. Global sample g is thus a
+pure function of (data.seed, g), and global batch s is samples [g0 + s*B, g0 + (s+1)*B) where
+g0 is where the iterator (re)started. Nothing depends on the number of processes.
+
+This process's share. Process p of P builds rows [p*b, (p+1)*b) of each global batch, b = B/P,
+and reads only those rows' tokens. The trainer assembles the global array with
+`jax.make_array_from_process_local_data`, so the global batch is the same for any P.
+
+State. The whole iterator state is `next_sample` (the next global sample index): JSON-able,
+independent of P, and still meaningful if the global batch size changes on resume.
+
+Prefetch. Batches are built ahead on one daemon thread (Grain's `ThreadPrefetchIterDataset`);
+`set_state`/`skip_batches` stop it, drop what it prefetched and start again from the new place.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from typing import Optional
+
+import grain
+import numpy as np
+
+from jaxtrain.config import ConfigError
+from jaxtrain.data.packing import FIELDS, SequenceSource, padding_row
+
+
+class _Holder:
+    """Owns the running Grain iterator, so a finalizer can close it without referencing PackedData."""
+
+    def __init__(self):
+        self.it = None
+
+    def close(self) -> None:
+        it, self.it = self.it, None
+        if it is not None:
+            it.close()
+
+
+class PackedData:
+    """This process's rows of each global batch of packed sequences (see the module docstring).
+
+    Attributes:
+      local_batch: rows per batch on this process (global_batch / process_count).
+      num_sequences: rows in one epoch of the source.
+      num_batches: global batches in one pass over the source (for eval: a full pass).
+      last_wait_s: seconds the last `next()` waited for its batch (0 when prefetch kept up).
+      entropy_floor: None (unknown for real data).
+    """
+
+    def __init__(self, source: SequenceSource, *, global_batch: int, process_index: int, process_count: int,
+                 seed: int, shuffle: bool, repeat: bool, prefetch: int):
+        if global_batch % process_count:
+            raise ConfigError(f"data.global_batch_size={global_batch} is not divisible by the "
+                              f"{process_count} processes")
+        if len(source) == 0:
+            raise ConfigError(f"data.path: the data has {source.corpus.num_tokens} token(s); "
+                              "packing needs at least 2")
+        self.seq_len = source.seq_len
+        self.global_batch = global_batch
+        self.local_batch = global_batch // process_count
+        self.row0 = process_index * self.local_batch
+        self.num_sequences = len(source)
+        self.num_batches = -(-self.num_sequences // global_batch)
+        self.prefetch = prefetch
+        ds = grain.MapDataset.source(source)
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        if repeat:
+            ds = ds.repeat()  # reshuffles each epoch (the shuffle's seed moves with the epoch)
+        self._samples = ds
+        self._padding = padding_row(self.seq_len)
+        self.next_sample = 0
+        self.last_wait_s = 0.0
+        self.entropy_floor: Optional[float] = None
+        self._holder = _Holder()
+        # Close the background thread at interpreter exit even if nobody calls close():
+        # Grain's own finalizer would otherwise run during module teardown and complain.
+        weakref.finalize(self, self._holder.close)
+        self._start()
+
+    # ------------------------------------------------------------------ building batches
+
+    def _local_batch(self, first_sample: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch that starts at global sample `first_sample`."""
+        rows = []
+        for r in range(self.local_batch):
+            g = first_sample + self.row0 + r
+            # Past the end of a non-repeating source (eval): padding, which the loss ignores.
+            rows.append(self._samples[g] if g < len(self._samples) else self._padding)
+        return {k: np.stack([row[k] for row in rows]) for k in FIELDS}
+
+    def _start(self) -> None:
+        g0, B = self.next_sample, self.global_batch
+        batches = grain.MapDataset.range(0, sys.maxsize).map(lambda k: self._local_batch(g0 + k * B))
+        it = batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        if self.prefetch > 0:
+            it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=self.prefetch)
+        self._holder.it = iter(it)
+        if self.prefetch > 0:
+            self._holder.it.start_prefetch()  # start now: the first batch is ready while the step compiles
+
+    # ------------------------------------------------------------------ iterator protocol
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._holder.it is None:  # closed earlier: start again where we are
+            self._start()
+        t0 = time.perf_counter()
+        batch = next(self._holder.it)
+        self.last_wait_s = time.perf_counter() - t0
+        self.next_sample += self.global_batch
+        return batch
+
+    def get_state(self) -> dict:
+        """JSON-able position: the global sample index of the next batch's first row."""
+        return {"next_sample": self.next_sample}
+
+    def set_state(self, state: dict) -> None:
+        """Continue from `state` (from `get_state`); what was prefetched is discarded."""
+        next_sample = state.get("next_sample") if isinstance(state, dict) else None
+        if not isinstance(next_sample, int) or next_sample < 0:
+            raise ValueError(f"data iterator state {state!r} has no valid 'next_sample'")
+        self._holder.close()
+        self.next_sample = next_sample
+        self._start()
+
+    def skip_batches(self, n: int) -> None:
+        """Skip the next `n` global batches (rollback past a bad data window)."""
+        self.set_state({"next_sample": self.next_sample + n * self.global_batch})
+
+    def reset(self) -> None:
+        """Back to the first batch (eval: call before each evaluation)."""
+        self.set_state({"next_sample": 0})
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop its batches. A later `next()` starts it again."""
+        self._holder.close()

@@ -1,0 +1,200 @@
+"""`jaxtrain prepare-data`: tokenize .txt/.jsonl files into token files for `data.source=tokens`.
+
+Output (DIR): `tokens-00000.bin`, `tokens-00001.bin`, ... (flat little-endian uint16/uint32
+ids, documents each followed by the eod id, a new file every --shard-tokens tokens at a document
+boundary) and `meta.json` (dtype, eod id, vocabulary size, largest id, tokenizer, tokens per
+file). Everything is written to a temporary directory beside DIR and moved in only when complete,
+so a failed or interrupted run leaves DIR as it was.
+
+  jaxtrain prepare-data --input corpus/*.jsonl --output data/tok [--tokenizer bytes|tokenizer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import IO, Optional
+
+import numpy as np
+
+from jaxtrain.config import ConfigError
+from jaxtrain.data.sources import META_NAME, TEXT_SUFFIXES, resolve_paths, tokenize_files, write_meta
+from jaxtrain.data.tokenizer import load_tokenizer
+
+SHARD_PREFIX = "tokens-"
+DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens = 512 MiB of uint16: big enough, small enough to copy around
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent when `stream` is not a tty (logs, pipes)."""
+
+    def __init__(self, total_bytes: int, stream: IO[str]):
+        self.total, self.stream = max(total_bytes, 1), stream
+        self.enabled = stream.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, done_bytes: int, tokens: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < 0.1 and not force):
+            return
+        self.last = now
+        frac = min(done_bytes / self.total, 1.0)
+        bar = "#" * int(30 * frac)
+        rate = done_bytes / max(now - self.t0, 1e-9) / 1e6
+        self.stream.write(f"\r[{bar:<30}] {100 * frac:5.1f}%  {done_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
+                          f"{tokens:,} tokens  {rate:,.1f} MB/s")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxtrain prepare-data",
+                                description="Tokenize .txt/.jsonl files into token files for data.source=tokens.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files, directories (their .txt and .jsonl files) or globs; a .jsonl line is a "
+                        "document, any other file is one document")
+    p.add_argument("--output", required=True, metavar="DIR", help="directory for tokens-*.bin and meta.json")
+    p.add_argument("--tokenizer", default="bytes", help="'bytes' (default) or a Hugging Face tokenizers JSON file")
+    p.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
+                   help="token file element type (default: uint16 when the vocabulary fits, else uint32)")
+    p.add_argument("--eod-id", type=int, default=None,
+                   help="end-of-document id (default: the tokenizer's end-of-text token; 256 for bytes)")
+    p.add_argument("--text-field", default="text", help="field of each .jsonl line holding the text (default: text)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                   help=f"start a new file after this many tokens (default: {DEFAULT_SHARD_TOKENS})")
+    p.add_argument("--overwrite", action="store_true", help="replace token files already in --output")
+    return p
+
+
+def _input_files(specs: list[str]) -> list[Path]:
+    files, seen = [], set()
+    for spec in specs:
+        for f in resolve_paths(spec, "--input", TEXT_SUFFIXES):
+            if f.resolve() not in seen:  # the same file named twice is read once
+                seen.add(f.resolve())
+                files.append(f)
+    return files
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output: '{out}' exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"--output: directory '{out}' is not empty; pass --overwrite to replace its token files "
+                          "or choose another directory")
+
+
+def prepare(inputs: list[str], output: str, *, tokenizer: str = "bytes", dtype: Optional[str] = None,
+            eod_id: Optional[int] = None, text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            overwrite: bool = False, progress: IO[str] = sys.stderr) -> dict:
+    """Tokenize `inputs` into token files in `output` (see the module docstring).
+
+    Args:
+      inputs: files, directories or globs of .txt/.jsonl text.
+      output: directory to write; created if missing.
+      tokenizer: 'bytes' or a tokenizers JSON path.
+      dtype: 'uint16' or 'uint32'; None picks the smallest that holds every id.
+      eod_id: end-of-document id (None: the tokenizer's).
+      text_field: field of .jsonl lines holding the text.
+      shard_tokens: tokens per output file (rounded up to a document boundary).
+      overwrite: allow replacing token files in a non-empty output directory.
+      progress: where the progress bar goes (only drawn on a tty).
+    Returns:
+      Summary: num_tokens, num_documents, files, dtype, eod_id, vocab_size, max_id.
+    Raises:
+      ConfigError: bad inputs, tokenizer, dtype or output; nothing is written then.
+    """
+    tok = load_tokenizer(tokenizer, eod_id, key="--tokenizer")
+    if dtype is None:
+        dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+    if dtype == "uint16" and tok.vocab_size > 1 << 16:
+        raise ConfigError(f"--dtype uint16 cannot hold ids of a {tok.vocab_size}-token vocabulary; use --dtype uint32")
+    if shard_tokens <= 0:
+        raise ConfigError(f"--shard-tokens must be positive, got {shard_tokens}")
+    files = _input_files(inputs)
+    out = Path(output)
+    _check_output(out, overwrite)
+
+    # Everything goes to a sibling temporary directory first, moved in only when complete.
+    tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        summary = _write_shards(files, tok, np.dtype(dtype).newbyteorder("<"), text_field, shard_tokens, tmp, progress)
+        if summary["num_tokens"] == 0:
+            raise ConfigError(f"--input: {len(files)} file(s) hold no text")
+        write_meta(tmp / META_NAME, dtype=dtype, eod_id=tok.eod_id, vocab_size=tok.vocab_size,
+                   max_id=summary["max_id"], tokenizer=tok.name, files=summary["files"],
+                   num_documents=summary["num_documents"])
+        out.mkdir(parents=True, exist_ok=True)
+        for old in list(out.glob(f"{SHARD_PREFIX}*.bin")) + [out / META_NAME]:
+            old.unlink(missing_ok=True)
+        for name in summary["files"]:
+            os.replace(tmp / name, out / name)
+        os.replace(tmp / META_NAME, out / META_NAME)  # last: the directory is complete once it is there
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary.update(dtype=dtype, eod_id=tok.eod_id, vocab_size=tok.vocab_size, inputs=len(files))
+    return summary
+
+
+def _write_shards(files: list[Path], tok, dtype: np.dtype, text_field: str, shard_tokens: int, tmp: Path,
+                  progress: IO[str]) -> dict:
+    bar = Progress(sum(f.stat().st_size for f in files), progress)
+    shard_sizes: dict[str, int] = {}
+    total = docs = max_id = done_bytes = 0
+    fh = None
+    try:
+        for f in files:
+            file_bytes, file_chars = f.stat().st_size, 0
+            for ids, n_docs, chars in tokenize_files([f], tok, text_field, key="--input"):
+                if fh is None or shard_sizes[name] >= shard_tokens:
+                    if fh is not None:
+                        fh.close()
+                    name = f"{SHARD_PREFIX}{len(shard_sizes):05d}.bin"
+                    shard_sizes[name] = 0
+                    fh = open(tmp / name, "wb")
+                if len(ids):
+                    fh.write(ids.astype(dtype).tobytes())
+                    max_id = max(max_id, int(ids.max()))
+                shard_sizes[name] += len(ids)
+                total += len(ids)
+                docs += n_docs
+                file_chars += chars
+                # Characters approximate bytes within a file; exact at each file's end.
+                bar.update(done_bytes + min(file_chars, file_bytes), total)
+            done_bytes += file_bytes
+            bar.update(done_bytes, total, force=True)
+    finally:
+        if fh is not None:
+            fh.close()
+        bar.done()
+    empty = [n for n, size in shard_sizes.items() if size == 0]
+    for n in empty:
+        (tmp / n).unlink()
+        del shard_sizes[n]
+    return {"num_tokens": total, "num_documents": docs, "max_id": max_id, "files": shard_sizes}
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `jaxtrain prepare-data` (argv without the subcommand).
+
+    Returns:
+      0 on success. Raises ConfigError for user errors (the CLI prints it and exits 2); argparse
+      exits 2 itself on malformed flags.
+    """
+    args = _parser().parse_args(argv)
+    s = prepare(args.input, args.output, tokenizer=args.tokenizer, dtype=args.dtype, eod_id=args.eod_id,
+                text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+    print(f"prepare-data: wrote {s['num_tokens']:,} tokens ({s['num_documents']:,} documents from "
+          f"{s['inputs']} input file(s)) to {args.output} in {len(s['files'])} {s['dtype']} file(s); "
+          f"eod id {s['eod_id']}, vocab size {s['vocab_size']}, largest id {s['max_id']}")
+    return 0
