@@ -16,7 +16,7 @@ EOD = 31
 
 @pytest.fixture
 def fast_compile():
-    old = jax.config.jax_disable_most_optimizations
+    old = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)  # compile speed on the CPU
     yield
     jax.config.update("jax_disable_most_optimizations", old)
