@@ -392,3 +392,12 @@ def test_every_bad_input_is_a_config_error_naming_file_or_key(tmp_path):
 def test_config_level_data_errors(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(None, overrides)
+
+
+def test_state_from_another_source_is_a_config_error(corpus_dir):
+    it = build_train_data(cfg_for(corpus_dir))
+    with pytest.raises(ConfigError, match="written for another data.source"):
+        it.set_state({"index": 3})  # a markov iterator's state
+    it.set_state({"next_sample": np.int64(8)})  # numpy ints, as a checkpoint library may return
+    assert it.get_state() == {"next_sample": 8}
+    it.close()

@@ -127,10 +127,12 @@ class PackedData:
     def set_state(self, state: dict) -> None:
         """Continue from `state` (from `get_state`); what was prefetched is discarded."""
         next_sample = state.get("next_sample") if isinstance(state, dict) else None
-        if not isinstance(next_sample, int) or next_sample < 0:
-            raise ValueError(f"data iterator state {state!r} has no valid 'next_sample'")
+        # Accept numpy integers too: a checkpoint library may hand back np.int64.
+        if not isinstance(next_sample, (int, np.integer)) or next_sample < 0:
+            raise ConfigError(f"the data state {state!r} (from a checkpoint?) has no valid 'next_sample': it was "
+                              "written for another data.source; resume with the same data.source")
         self._holder.close()
-        self.next_sample = next_sample
+        self.next_sample = int(next_sample)
         self._start()
 
     def skip_batches(self, n: int) -> None:
