@@ -1,29 +1,41 @@
 """Fused attention kernels behind one entry point, `flash_attention`.
 
-This package depends on nothing in `jaxtrain/`; the model calls into it.
+    from kernels import flash_attention
+    out = flash_attention(q, k, v, causal=True, segment_ids=None, implementation="auto")
+
+Implementations: 'xla' (plain jnp reference, kernels/reference.py), 'pallas' (Pallas kernels,
+kernels/pallas_attention.py; TPU, and CPU in interpret mode), 'triton' (Triton kernels via
+jax-triton, kernels/triton_attention.py; NVIDIA GPU), 'cudnn' (kernels/cudnn_attention.py; NVIDIA
+GPU), 'auto' (best available for the platform). See docs/kernels.md.
+
+This package depends on nothing in `jaxtrain/`; the model calls into it. Kernel modules are
+imported on first use, so `import kernels` needs neither triton nor jax-triton.
 """
 
 from __future__ import annotations
 
+from kernels.attention import (
+    AUTO_GPU_IMPLEMENTATION,
+    BACKWARD_FLOPS_FACTOR,
+    IMPLEMENTATIONS,
+    attention_flops,
+    attention_training_flops,
+    available_implementations,
+    flash_attention,
+    resolve_implementation,
+)
+from kernels.common import BlockSizes
 from kernels.reference import mha_reference
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "triton", "cudnn")
-
-
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True) -> float:
-    """Forward FLOPs of attention's two matmuls (QK^T and PV); causal counts half the score matrix."""
-    flops = 4.0 * batch * seq * seq * heads * head_dim
-    return flops / 2 if causal else flops
-
-
-def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, implementation: str = "auto",
-                    block_sizes=None):
-    """Attention with q [B, L, N, H], k/v [B, L, K, H] (N a multiple of K), scale 1/sqrt(H).
-
-    implementation: 'xla' (reference), 'pallas', 'triton', 'cudnn' or 'auto' (best for the platform).
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
-    if implementation in ("auto", "xla"):
-        return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
-    raise NotImplementedError(f"attention implementation {implementation!r} is not available yet")
+__all__ = [
+    "AUTO_GPU_IMPLEMENTATION",
+    "BACKWARD_FLOPS_FACTOR",
+    "IMPLEMENTATIONS",
+    "BlockSizes",
+    "attention_flops",
+    "attention_training_flops",
+    "available_implementations",
+    "flash_attention",
+    "mha_reference",
+    "resolve_implementation",
+]

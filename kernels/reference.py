@@ -6,10 +6,12 @@ import jax
 import jax.numpy as jnp
 
 
-def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None):
+def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None):
     """softmax(q k^T / sqrt(H)) v with GQA, causal and segment masking.
 
     q: [B, L, N, H]; k, v: [B, L, K, H] with N a multiple of K; segment_ids: [B, L] int32 or None.
+    kv_segment_ids: ids of the keys when they differ from the queries' (default: segment_ids);
+    tests use it to build rows that see no key at all.
     Returns [B, L, N, H] in q's dtype.
     """
     B, L, N, H = q.shape
@@ -23,7 +25,8 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None):
         mask = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
     mask = jnp.broadcast_to(mask, (B, L, S))
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (segment_ids[:, :, None] == kv_ids[:, None, :])
     scores = jnp.where(mask[:, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
     # A row with nothing to attend to (fully masked) gives zeros, not a uniform average.

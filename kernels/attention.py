@@ -1,0 +1,185 @@
+"""The one entry point, `flash_attention`, and how an implementation is chosen for a platform.
+
+Shape legend: B batch, L sequence length, N query heads, K kv heads, H head_dim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+
+from kernels.common import BlockSizes, check_attention_inputs
+from kernels.reference import mha_reference
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "triton", "cudnn")
+
+# What `auto` picks on an NVIDIA GPU. The single switch between our Triton kernel and cuDNN:
+# set it to "cudnn" if tpu_gpu_setup/gpu/check_attention.py shows cuDNN faster on the target GPU.
+AUTO_GPU_IMPLEMENTATION = "triton"
+
+# The Pallas kernels are written for TPU (Mosaic) and run on CPU in interpret mode. On GPU they
+# would go through Pallas' Triton backend, which is not verified: check_attention.py tries it and
+# reports. Flip this only after that check passes on the GPU.
+PALLAS_ON_GPU = False
+
+_PLATFORM_ALIASES = {"cuda": "gpu"}
+
+
+def _platform(platform: str | None) -> str:
+    name = (platform or jax.default_backend()).lower()
+    return _PLATFORM_ALIASES.get(name, name)
+
+
+def _has_module(name: str) -> bool:
+    # find_spec does not import: `import jax_triton` itself raises under a CPU-only jax.
+    return importlib.util.find_spec(name) is not None
+
+
+def available_implementations(platform: str | None = None) -> tuple[str, ...]:
+    """Concrete implementations (not 'auto') that can run on `platform`.
+
+    Args:
+      platform: 'cpu', 'gpu' (or 'cuda'), 'tpu'; None = jax.default_backend().
+
+    Returns:
+      e.g. ('xla', 'pallas') on CPU (pallas in interpret mode), ('xla', 'pallas') on TPU,
+      ('xla', 'triton', 'cudnn') on an NVIDIA GPU with triton and jax-triton installed.
+    """
+    platform = _platform(platform)
+    if platform in ("cpu", "tpu"):
+        return ("xla", "pallas")
+    if platform == "gpu":
+        found = ["xla"]
+        if PALLAS_ON_GPU:
+            found.append("pallas")
+        if _has_module("triton") and _has_module("jax_triton"):
+            found.append("triton")
+        found.append("cudnn")
+        return tuple(found)
+    return ("xla",)
+
+
+def _auto(platform: str, available: tuple[str, ...]) -> str:
+    if platform == "gpu":
+        preference = (AUTO_GPU_IMPLEMENTATION, "triton", "cudnn", "xla")
+    elif platform == "tpu":
+        preference = ("pallas", "xla")
+    else:  # CPU and anything else: interpret-mode Pallas is for tests, not speed.
+        preference = ("xla",)
+    return next(name for name in preference if name in available)
+
+
+def resolve_implementation(name: str, platform: str | None = None) -> str:
+    """Validates an implementation name for a platform and resolves 'auto'.
+
+    The trainer calls this on `model.attention` before training so a bad choice fails at startup.
+
+    Args:
+      name: one of IMPLEMENTATIONS.
+      platform: 'cpu', 'gpu' (or 'cuda'), 'tpu'; None = jax.default_backend().
+
+    Returns:
+      The concrete implementation to run ('xla', 'pallas', 'triton' or 'cudnn').
+
+    Raises:
+      ValueError: unknown name, or not available on this platform (the message names the
+        implementation, the platform and what is available).
+    """
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {name!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    platform = _platform(platform)
+    available = available_implementations(platform)
+    if name == "auto":
+        return _auto(platform, available)
+    if name not in available:
+        hint = ""
+        if name == "triton" and platform == "gpu":
+            hint = " (needs the `triton` and `jax-triton` packages)"
+        elif name in ("triton", "cudnn"):
+            hint = " (needs an NVIDIA GPU)"
+        elif name == "pallas" and platform == "gpu":
+            hint = " (the Pallas kernels target TPU; see kernels.attention.PALLAS_ON_GPU)"
+        raise ValueError(
+            f"attention implementation {name!r} is not available on platform {platform!r}{hint}; "
+            f"available: {', '.join(('auto',) + available)}"
+        )
+    return name
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    implementation: str = "auto",
+    block_sizes: BlockSizes | tuple[int, int] | None = None,
+) -> jax.Array:
+    """softmax(q k^T / sqrt(H)) v with GQA, causal and segment (packed document) masking.
+
+    Differentiable: 'pallas' and 'triton' have custom VJPs with fused backward kernels.
+
+    Args:
+      q: [B, L, N, H] queries.
+      k: [B, L, K, H] keys; N must be a multiple of K (GQA; K == 1 is MQA).
+      v: [B, L, K, H] values.
+      causal: a query sees only keys at or before its position.
+      segment_ids: [B, L] int32; a query sees only keys with the same id. None = one segment.
+      implementation: 'auto', 'xla', 'pallas', 'triton' or 'cudnn' (see resolve_implementation).
+      block_sizes: tile sizes for 'pallas'/'triton' (BlockSizes or (block_q, block_kv));
+        None = each kernel's defaults. Ignored by 'xla' and 'cudnn'.
+
+    Returns:
+      [B, L, N, H] in q's dtype. A row that sees no key is 0, and so are its gradients.
+
+    Raises:
+      ValueError: bad shapes, or an implementation not available on this platform.
+    """
+    check_attention_inputs(q, k, v, segment_ids)
+    name = resolve_implementation(implementation)
+    if name == "xla":
+        return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
+    if name == "pallas":
+        from kernels.pallas_attention import pallas_flash_attention
+
+        return pallas_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes)
+    if name == "triton":
+        from kernels.triton_attention import triton_flash_attention
+
+        return triton_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes)
+    from kernels.cudnn_attention import cudnn_flash_attention
+
+    return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True) -> float:
+    """Forward FLOPs of attention's two matmuls, QK^T and PV: 4 * B * L^2 * N * H.
+
+    Causal counts half of the score matrix (what a kernel that skips masked tiles does, and the
+    MaxText convention). Softmax and masking are not counted.
+    """
+    flops = 4.0 * batch * seq * seq * heads * head_dim
+    return flops / 2 if causal else flops
+
+
+# Backward of flash attention = 5 matmuls of the forward's size (recompute QK^T, dP = dO V^T,
+# dV = P^T dO, dQ = dS K, dK = dS^T Q) against the forward's 2: 2.5x, the FlashAttention convention.
+BACKWARD_FLOPS_FACTOR = 2.5
+
+
+def attention_training_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True,
+                             backward_factor: float = BACKWARD_FLOPS_FACTOR) -> float:
+    """Forward + backward attention FLOPs: (1 + backward_factor) * attention_flops(...).
+
+    Args:
+      batch, seq, heads, head_dim, causal: as for attention_flops (heads = query heads).
+      backward_factor: backward FLOPs per forward FLOP. 2.5 (default) counts the backward's
+        recomputation of QK^T, as flash-attention kernel benchmarks do; pass 2.0 for strict
+        model FLOPs (no recomputation), as in PaLM-style MFU.
+
+    Returns:
+      FLOPs of one training step's attention (one layer).
+    """
+    return (1.0 + backward_factor) * attention_flops(batch, seq, heads, head_dim, causal=causal)

@@ -1,0 +1,68 @@
+"""Pieces shared by every attention implementation: block sizes, shape checks, the mask value.
+
+Shape legend (used in every kernel file): B batch, L sequence length, N query heads, K kv heads,
+G = N // K query heads per kv head, H head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+# Scores of masked positions. Finite (not -inf) so that `s - max(s)` of a fully masked row is 0,
+# never inf - inf = NaN; masked probabilities are then zeroed explicitly.
+MASK_VALUE = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile lengths along the sequence for the fused kernels (forward and both backward kernels).
+
+    Attributes:
+      block_q: query rows per tile.
+      block_kv: key/value rows per tile.
+
+    Frozen (hashable) because it is a static argument of jitted functions.
+    """
+
+    block_q: int = 128
+    block_kv: int = 128
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+
+
+def as_block_sizes(block_sizes: BlockSizes | tuple[int, int] | None, default: BlockSizes) -> BlockSizes:
+    """Accepts None (use `default`), a BlockSizes, or a (block_q, block_kv) tuple."""
+    if block_sizes is None:
+        return default
+    if isinstance(block_sizes, BlockSizes):
+        return block_sizes
+    if isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2:
+        return BlockSizes(int(block_sizes[0]), int(block_sizes[1]))
+    raise ValueError(f"block_sizes must be None, BlockSizes or (block_q, block_kv); got {block_sizes!r}")
+
+
+def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> None:
+    """Raises ValueError unless q [B, L, N, H], k/v [B, L, K, H] with N % K == 0 and segment_ids [B, L].
+
+    Every implementation calls this first, so they all reject the same inputs with the same message.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    B, L, N, H = q.shape
+    if k.shape[0] != B or k.shape[1] != L or k.shape[3] != H:
+        raise ValueError(f"k/v must be [{B}, {L}, kv_heads, {H}] to match q {q.shape}; got {k.shape}")
+    K = k.shape[2]
+    if K == 0 or N % K != 0:
+        raise ValueError(f"q heads ({N}) must be a multiple of kv heads ({K})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if segment_ids is not None and tuple(segment_ids.shape) != (B, L):
+        raise ValueError(f"segment_ids must be [batch, seq] = [{B}, {L}]; got {tuple(segment_ids.shape)}")

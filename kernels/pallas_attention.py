@@ -1,0 +1,427 @@
+"""Flash attention as Pallas kernels: a forward kernel and two backward kernels (dq, and dk/dv).
+
+Shape legend: B batch, L sequence length, Lp L padded to a multiple of the blocks, N query heads,
+K kv heads, G = N // K query heads per kv head, H head_dim; bq / bk: query / key-value tile lengths.
+
+Algorithm (FlashAttention-2): the grid runs one program per (batch, head, q tile) (forward, dq) or
+per (batch, head, kv tile) (dk/dv); each program loops over the tiles of the other sequence axis
+with an online softmax, so the [L, L] score matrix never exists in memory. Under a causal mask the
+loops stop (or start) at the diagonal, which skips fully-masked tiles. The forward pass saves the
+log-sum-exp per row; the backward pass recomputes the probabilities from it.
+
+Layout: kernels see [B, N, Lp, H] so that each tile is a plain 2-D [rows, H] slab whose last two
+dims are (sequence, head_dim), which is what TPU tiling wants. The wrapper pads and transposes;
+XLA fuses those copies with their neighbours.
+
+GQA: the forward and dq kernels read kv head n // G for q head n through their index maps. The
+dk/dv kernel runs per *query* head and writes [B, N, Lp, H]; the G heads of a group are summed
+afterwards in XLA (as FlashAttention-2 does), which keeps every program independent and its
+working set at one head.
+
+On CPU the kernels run with interpret=True (chosen automatically), on TPU compiled by Mosaic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs
+
+DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=128)
+
+# q @ k^T without materialising k^T: contract the last dim of both operands.
+_NT_DIMS = (((1,), (1,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static facts of one call; hashable so it can be a nondiff argument of the custom VJP."""
+
+    causal: bool
+    scale: float
+    seq_len: int  # L, the unpadded length: keys at positions >= L are padding and masked out.
+    padded_len: int  # Lp
+    block_q: int
+    block_kv: int
+    groups: int  # G
+    head_dim: int  # H
+    interpret: bool
+
+    @property
+    def needs_length_mask(self) -> bool:
+        # Padding is only visible in tiles past L; without padding that mask is all-true.
+        return self.padded_len != self.seq_len
+
+
+def _plan_blocks(seq_len: int, block_sizes: BlockSizes) -> tuple[int, int, int]:
+    """Clamps the tiles to the (8-rounded) sequence and returns (bq, bk, Lp)."""
+    rounded = -(-seq_len // 8) * 8
+    bq = min(block_sizes.block_q, rounded)
+    bk = min(block_sizes.block_kv, rounded)
+    if bq % 8 or bk % 8:
+        raise ValueError(f"pallas attention block sizes must be multiples of 8; got block_q={bq}, block_kv={bk}")
+    tile = math.lcm(bq, bk)
+    return bq, bk, -(-seq_len // tile) * tile
+
+
+def _mask(cfg: _Config, q_start, k_start, q_seg, kv_seg):
+    """Boolean [bq, bk] mask of allowed (query, key) pairs for one tile, or None if all are allowed.
+
+    q_seg is [bq, 1] and kv_seg [1, bk] (or both None): they broadcast to the tile without reshapes.
+    """
+    bq, bk = cfg.block_q, cfg.block_kv
+    mask = None
+    if cfg.causal or cfg.needs_length_mask:
+        k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        if cfg.causal:
+            q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+            mask = q_pos >= k_pos
+        if cfg.needs_length_mask:
+            in_range = k_pos < cfg.seq_len
+            mask = in_range if mask is None else mask & in_range
+    if q_seg is not None:
+        same = q_seg == kv_seg
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _num_kv_tiles(cfg: _Config, q_tile):
+    """How many kv tiles q tile `q_tile` must visit: up to the diagonal when causal, and never the
+    tiles that hold only padding."""
+    total = pl.cdiv(cfg.seq_len, cfg.block_kv)
+    if not cfg.causal:
+        return total
+    # Last query row of this tile is (q_tile + 1) * bq - 1; it sees keys up to that position.
+    return jnp.minimum(total, lax.div((q_tile + 1) * cfg.block_q + cfg.block_kv - 1, cfg.block_kv))
+
+
+def _unpack(refs, n_in: int, has_segments: bool):
+    """Splits a kernel's refs into (inputs, q_seg_ref, kv_seg_ref, rest); the segment refs come
+    right after the first n_in inputs when present."""
+    inputs = refs[:n_in]
+    if has_segments:
+        return inputs, refs[n_in], refs[n_in + 1], refs[n_in + 2:]
+    return inputs, None, None, refs[n_in:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward kernel: grid (B, N, Lp // bq).
+# ------------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _unpack(refs, 3, has_segments)
+    bq, bk = cfg.block_q, cfg.block_kv
+    q_tile = pl.program_id(2)
+    q_start = q_tile * bq
+    q_bH = q_ref[...]
+    q_seg = q_seg_ref[...] if has_segments else None  # [bq, 1]
+
+    def body(j, carry):
+        acc_bH, m_b1, l_b1 = carry
+        k_start = pl.multiple_of(j * bk, bk)
+        k_kH = k_ref[pl.ds(k_start, bk), :]
+        v_kH = v_ref[pl.ds(k_start, bk), :]
+        s_bk = lax.dot_general(q_bH, k_kH, _NT_DIMS, preferred_element_type=jnp.float32) * cfg.scale
+        kv_seg = kv_seg_ref[:, pl.ds(k_start, bk)] if has_segments else None  # [1, bk]
+        mask = _mask(cfg, q_start, k_start, q_seg, kv_seg)
+        if mask is not None:
+            s_bk = jnp.where(mask, s_bk, MASK_VALUE)
+        m_new = jnp.maximum(m_b1, jnp.max(s_bk, axis=1, keepdims=True))
+        p_bk = jnp.exp(s_bk - m_new)
+        if mask is not None:
+            # A fully masked row has s == m_new == MASK_VALUE, so exp gives 1: zero it explicitly.
+            p_bk = jnp.where(mask, p_bk, 0.0)
+        correction = jnp.exp(m_b1 - m_new)
+        l_new = correction * l_b1 + jnp.sum(p_bk, axis=1, keepdims=True)
+        pv_bH = jnp.dot(p_bk.astype(v_kH.dtype), v_kH, preferred_element_type=jnp.float32)
+        return correction * acc_bH + pv_bH, m_new, l_new
+
+    H = q_bH.shape[-1]
+    init = (
+        jnp.zeros((bq, H), jnp.float32),
+        jnp.full((bq, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+    )
+    acc_bH, m_b1, l_b1 = lax.fori_loop(0, _num_kv_tiles(cfg, q_tile), body, init)
+    # Rows with nothing to attend to have l == 0: output 0 (as the reference does), not 0/0.
+    empty = l_b1 == 0.0
+    l_safe = jnp.where(empty, 1.0, l_b1)
+    o_ref[...] = (acc_bH / l_safe).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, 0.0, m_b1 + jnp.log(l_safe))
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward kernels. With P = softmax(S), dO the output cotangent and D = rowsum(dO * O):
+#   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale * dS K,   dK = scale * dS^T Q.
+# ------------------------------------------------------------------------------------------------
+
+
+def _probs_and_dscores(cfg, q_bH, k_kH, v_kH, do_bH, lse_b1, delta_b1, mask):
+    """Recomputes P for one tile from the saved log-sum-exp and returns (P, dS), both [bq, bk] fp32."""
+    s_bk = lax.dot_general(q_bH, k_kH, _NT_DIMS, preferred_element_type=jnp.float32) * cfg.scale
+    p_bk = jnp.exp(s_bk - lse_b1)
+    if mask is not None:
+        # Also zeroes fully masked rows, whose lse is the placeholder 0.
+        p_bk = jnp.where(mask, p_bk, 0.0)
+    dp_bk = lax.dot_general(do_bH, v_kH, _NT_DIMS, preferred_element_type=jnp.float32)
+    return p_bk, p_bk * (dp_bk - delta_b1)
+
+
+def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
+    """Grid (B, N, Lp // bq): one q tile against the kv tiles it can see."""
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, rest = _unpack(refs, 3, has_segments)
+    do_ref, lse_ref, delta_ref, dq_ref = rest
+    bq, bk = cfg.block_q, cfg.block_kv
+    q_tile = pl.program_id(2)
+    q_start = q_tile * bq
+    q_bH, do_bH = q_ref[...], do_ref[...]
+    lse_b1, delta_b1 = lse_ref[...], delta_ref[...]
+    q_seg = q_seg_ref[...] if has_segments else None
+
+    def body(j, dq_bH):
+        k_start = pl.multiple_of(j * bk, bk)
+        k_kH = k_ref[pl.ds(k_start, bk), :]
+        v_kH = v_ref[pl.ds(k_start, bk), :]
+        kv_seg = kv_seg_ref[:, pl.ds(k_start, bk)] if has_segments else None
+        mask = _mask(cfg, q_start, k_start, q_seg, kv_seg)
+        _, ds_bk = _probs_and_dscores(cfg, q_bH, k_kH, v_kH, do_bH, lse_b1, delta_b1, mask)
+        return dq_bH + jnp.dot(ds_bk.astype(k_kH.dtype), k_kH, preferred_element_type=jnp.float32)
+
+    dq_bH = lax.fori_loop(0, _num_kv_tiles(cfg, q_tile), body, jnp.zeros(q_bH.shape, jnp.float32))
+    dq_ref[...] = (dq_bH * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, cfg: _Config, has_segments: bool):
+    """Grid (B, N, Lp // bk): one kv tile against the q tiles of query head n that can see it."""
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, rest = _unpack(refs, 3, has_segments)
+    do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
+    bq, bk = cfg.block_q, cfg.block_kv
+    kv_tile = pl.program_id(2)
+    k_start = kv_tile * bk
+    k_kH, v_kH = k_ref[...], v_ref[...]
+    kv_seg = kv_seg_ref[...] if has_segments else None  # [1, bk]
+
+    def body(i, carry):
+        dk_kH, dv_kH = carry
+        q_start = pl.multiple_of(i * bq, bq)
+        rows = pl.ds(q_start, bq)
+        q_bH, do_bH = q_ref[rows, :], do_ref[rows, :]
+        q_seg = q_seg_ref[rows, :] if has_segments else None
+        mask = _mask(cfg, q_start, k_start, q_seg, kv_seg)
+        p_bk, ds_bk = _probs_and_dscores(cfg, q_bH, k_kH, v_kH, do_bH, lse_ref[rows, :], delta_ref[rows, :], mask)
+        dv_kH = dv_kH + jnp.dot(p_bk.T.astype(do_bH.dtype), do_bH, preferred_element_type=jnp.float32)
+        dk_kH = dk_kH + jnp.dot(ds_bk.T.astype(q_bH.dtype), q_bH, preferred_element_type=jnp.float32)
+        return dk_kH, dv_kH
+
+    # Causal: query rows before this tile's first key never see it. Padded query rows (>= L) are
+    # skipped: their dO is zero, so they would add nothing.
+    first = lax.div(k_start, bq) if cfg.causal else 0
+    last = pl.cdiv(cfg.seq_len, bq)
+    zeros = jnp.zeros(k_kH.shape, jnp.float32)
+    dk_kH, dv_kH = lax.fori_loop(first, last, body, (zeros, zeros))
+    dk_ref[...] = (dk_kH * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_kH.astype(dv_ref.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# pallas_call wrappers on the padded [B, N, Lp, H] layout.
+# ------------------------------------------------------------------------------------------------
+
+
+def _compiler_params(cfg: _Config):
+    """Backend hints: every grid axis is independent (megacore on TPU); none in interpret mode."""
+    if cfg.interpret:
+        return None
+    platform = jax.default_backend()
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+    if platform == "gpu":
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+
+def _q_tile_spec(cfg):
+    return pl.BlockSpec((None, None, cfg.block_q, cfg.head_dim), lambda b, n, i: (b, n, i, 0))
+
+
+def _kv_whole_spec(cfg):
+    G = cfg.groups
+    return pl.BlockSpec((None, None, cfg.padded_len, cfg.head_dim), lambda b, n, i: (b, n // G, 0, 0))
+
+
+def _segment_specs_q_tiled(cfg):
+    """Segment ids for kernels tiled over q: a q tile of [B, Lp, 1] and the whole kv row of [B, 1, Lp]."""
+    return [
+        pl.BlockSpec((None, cfg.block_q, 1), lambda b, n, i: (b, i, 0)),
+        pl.BlockSpec((None, 1, cfg.padded_len), lambda b, n, i: (b, 0, 0)),
+    ]
+
+
+def _fwd_call(cfg: _Config, q, k, v, segs):
+    """q [B, N, Lp, H], k/v [B, K, Lp, H], segs None or (q_seg [B, Lp, 1], kv_seg [B, 1, Lp]).
+    Returns o [B, N, Lp, H] and lse [B, N, Lp, 1] fp32."""
+    B, N, Lp, H = q.shape
+    has_segments = segs is not None
+    in_specs = [_q_tile_spec(cfg), _kv_whole_spec(cfg), _kv_whole_spec(cfg)]
+    args = [q, k, v]
+    if has_segments:
+        in_specs += _segment_specs_q_tiled(cfg)
+        args += list(segs)
+    row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, n, i: (b, n, i, 0))
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, has_segments=has_segments),
+        grid=(B, N, Lp // cfg.block_q),
+        in_specs=in_specs,
+        out_specs=[_q_tile_spec(cfg), row_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Lp, 1), jnp.float32)],
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="flash_attention_fwd",
+    )(*args)
+
+
+def _bwd_call(cfg: _Config, q, k, v, segs, o, lse, do):
+    """Returns dq [B, N, Lp, H], dk and dv [B, K, Lp, H] for the padded layout."""
+    B, N, Lp, H = q.shape
+    K = k.shape[1]
+    G = cfg.groups
+    has_segments = segs is not None
+    # D = rowsum(dO * O): one elementwise pass that XLA fuses; no kernel needed.
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+
+    # dq: tiled over q rows like the forward pass.
+    row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, n, i: (b, n, i, 0))
+    in_specs = [_q_tile_spec(cfg), _kv_whole_spec(cfg), _kv_whole_spec(cfg)]
+    args = [q, k, v]
+    if has_segments:
+        in_specs += _segment_specs_q_tiled(cfg)
+        args += list(segs)
+    in_specs += [_q_tile_spec(cfg), row_spec, row_spec]
+    args += [do, lse, delta]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, has_segments=has_segments),
+        grid=(B, N, Lp // cfg.block_q),
+        in_specs=in_specs,
+        out_specs=_q_tile_spec(cfg),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="flash_attention_dq",
+    )(*args)
+
+    # dk/dv: tiled over kv rows, one program per *query* head; whole q rows of that head.
+    q_whole = pl.BlockSpec((None, None, Lp, H), lambda b, n, j: (b, n, 0, 0))
+    row_whole = pl.BlockSpec((None, None, Lp, 1), lambda b, n, j: (b, n, 0, 0))
+    kv_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, n // G, j, 0))
+    out_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, n, j, 0))
+    in_specs = [q_whole, kv_tile, kv_tile]
+    args = [q, k, v]
+    if has_segments:
+        in_specs += [
+            pl.BlockSpec((None, Lp, 1), lambda b, n, j: (b, 0, 0)),
+            pl.BlockSpec((None, 1, cfg.block_kv), lambda b, n, j: (b, 0, j)),
+        ]
+        args += list(segs)
+    in_specs += [q_whole, row_whole, row_whole]
+    args += [do, lse, delta]
+    # Per-q-head partial gradients are summed over the group below; keep them fp32 when G > 1.
+    part_dtype = jnp.float32 if G > 1 else k.dtype
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, has_segments=has_segments),
+        grid=(B, N, Lp // cfg.block_kv),
+        in_specs=in_specs,
+        out_specs=[out_tile, out_tile],
+        out_shape=[jax.ShapeDtypeStruct((B, N, Lp, H), part_dtype)] * 2,
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="flash_attention_dkv",
+    )(*args)
+    if G > 1:
+        dk = dk.reshape(B, K, G, Lp, H).sum(axis=2).astype(k.dtype)
+        dv = dv.reshape(B, K, G, Lp, H).sum(axis=2).astype(v.dtype)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_padded(cfg: _Config, q, k, v, segs):
+    return _fwd_call(cfg, q, k, v, segs)[0]
+
+
+def _flash_padded_fwd(cfg, q, k, v, segs):
+    o, lse = _fwd_call(cfg, q, k, v, segs)
+    return o, (q, k, v, segs, o, lse)
+
+
+def _flash_padded_bwd(cfg, residuals, do):
+    q, k, v, segs, o, lse = residuals
+    dq, dk, dv = _bwd_call(cfg, q, k, v, segs, o, lse, do)
+    return dq, dk, dv, None  # segment ids are integers: no cotangent
+
+
+_flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
+
+
+def pallas_flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    block_sizes: BlockSizes | tuple[int, int] | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Flash attention with Pallas kernels; differentiable through a custom VJP with fused kernels.
+
+    Args:
+      q: [B, L, N, H] queries.
+      k: [B, L, K, H] keys, N a multiple of K.
+      v: [B, L, K, H] values.
+      causal: mask keys after the query position.
+      segment_ids: [B, L] int; a query attends only to keys with the same id (packed documents).
+      kv_segment_ids: [B, L] ids of the keys when they differ from the queries' (defaults to
+        segment_ids); lets tests build rows that see no key at all.
+      block_sizes: tile lengths (clamped to the sequence); L need not be a multiple, it is padded.
+      interpret: run the Pallas interpreter; None = interpret exactly when the backend is CPU.
+
+    Returns:
+      [B, L, N, H] in q's dtype. Rows with no visible key are 0 (their gradients too).
+    """
+    check_attention_inputs(q, k, v, segment_ids)
+    if kv_segment_ids is not None and segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids")
+    B, L, N, H = q.shape
+    bq, bk, Lp = _plan_blocks(L, as_block_sizes(block_sizes, DEFAULT_BLOCK_SIZES))
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    cfg = _Config(
+        causal=bool(causal), scale=1.0 / math.sqrt(H), seq_len=L, padded_len=Lp,
+        block_q=bq, block_kv=bk, groups=N // k.shape[2], head_dim=H, interpret=bool(interpret),
+    )
+
+    def to_kernel_layout(x_BLXH):  # [B, L, X, H] -> [B, X, Lp, H]
+        return jnp.pad(x_BLXH, ((0, 0), (0, Lp - L), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    segs = None
+    if segment_ids is not None:
+        if kv_segment_ids is None:
+            kv_segment_ids = segment_ids
+        # Padded positions get id 0; they are masked by length (keys) or sliced off (queries).
+        q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
+        kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
+        segs = (q_seg[:, :, None], kv_seg[:, None, :])
+    o_BNLH = _flash_padded(cfg, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v), segs)
+    return o_BNLH.transpose(0, 2, 1, 3)[:, :L]

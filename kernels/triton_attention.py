@@ -1,0 +1,433 @@
+"""Flash attention written in Triton (forward, dq, dk/dv), called from JAX through jax-triton.
+
+Shape legend: B batch, L sequence length, N query heads, K kv heads, G = N // K query heads per kv
+head, H head_dim (D: H rounded up to a power of two >= 16 for the tiles); BLOCK_M / BLOCK_N:
+query / key-value tile lengths.
+
+Layout: the kernels read q/k/v in the model's own [B, L, N|K, H] layout through strides, so no
+transposes or padding are needed; ragged tiles at the end of the sequence are masked loads.
+Log-sum-exp and D = rowsum(dO * O) are [B, N, L] fp32.
+
+GQA: the forward and dq kernels read kv head n // G. The dk/dv kernel runs one program per
+(kv tile, batch, *query* head) and writes fp32 partial gradients [B, L, N, H] that the wrapper
+sums over the G heads of each group (FlashAttention-2 does the same), which keeps all programs
+independent: no atomics.
+
+The @triton.jit kernels and `launch_plan` need only `triton`; `jax_triton` is imported lazily in
+the JAX wrapper (it fails to import under a CPU-only jax). Tests launch the kernels directly on
+CPU torch tensors under TRITON_INTERPRET=1 with the same `launch_plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs
+
+# Globals read inside @triton.jit must be constexpr.
+_MASK = tl.constexpr(MASK_VALUE)
+
+DEFAULT_FWD_BLOCKS = BlockSizes(block_q=128, block_kv=64)
+DEFAULT_BWD_BLOCKS = BlockSizes(block_q=64, block_kv=64)
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """a @ b with an fp32 accumulator. UPCAST_DOT is set only under TRITON_INTERPRET: the
+    interpreter keeps bf16 as raw uint16 bits and tl.dot would multiply those bits, so there the
+    (already rounded) operands are widened to fp32 first, which gives the same products."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend."""
+    ok = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        ok = ok & (rows[:, None] >= cols[None, :])
+    if HAS_SEG:
+        ok = ok & (q_seg[:, None] == kv_seg[None, :])
+    return ok
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Q_SEG, KV_SEG,
+    seq_len, num_heads, groups, sm_scale,
+    stride_qb, stride_ql, stride_qn, stride_kb, stride_kl, stride_kn,
+    O, LSE,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Grid (cdiv(L, BLOCK_M), B * N): one q tile of one head against the kv tiles it can see."""
+    pid_m = tl.program_id(0)
+    pid_bn = tl.program_id(1)
+    b = pid_bn // num_heads
+    n = pid_bn % num_heads
+    # int64 offsets: B * L * N * H can pass 2**31 for long sequences.
+    q_base = b.to(tl.int64) * stride_qb + n * stride_qn
+    kv_base = b.to(tl.int64) * stride_kb + (n // groups) * stride_kn
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + q_base + rows[:, None] * stride_ql + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_seg = rows  # placeholder when HAS_SEG is False; never compared
+    if HAS_SEG:
+        q_seg = tl.load(Q_SEG + b * seq_len + rows, mask=row_ok, other=0)
+
+    m_i = tl.full([BLOCK_M], _MASK, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = seq_len
+    if CAUSAL:
+        # Skip the kv tiles wholly after this tile's last query row.
+        hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + kv_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+        kv_seg = cols
+        if HAS_SEG:
+            kv_seg = tl.load(KV_SEG + b * seq_len + cols, mask=col_ok, other=0)
+        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale
+        s = tl.where(ok, s, _MASK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Masked entries are zeroed explicitly: in a fully masked row s - m_new is 0, not -inf.
+        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+        correction = tl.exp(m_i - m_new)
+        l_i = l_i * correction + tl.sum(p, 1)
+        acc = acc * correction[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    # Rows that see no key (l == 0) output 0, like the reference, instead of 0 / 0.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(O + q_base + rows[:, None] * stride_ql + dims[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+    lse = tl.where(empty, 0.0, m_i + tl.log(l_safe))
+    tl.store(LSE + pid_bn.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
+
+
+# Backward, with P = softmax(S), D = rowsum(dO * O):
+#   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale * dS K,   dK = scale * dS^T Q.
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, Q_SEG, KV_SEG, DO, LSE, DELTA,
+    seq_len, num_heads, groups, sm_scale,
+    stride_qb, stride_ql, stride_qn, stride_kb, stride_kl, stride_kn,
+    DQ,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Grid (cdiv(L, BLOCK_M), B * N): dq of one q tile, looping over the kv tiles it sees."""
+    pid_m = tl.program_id(0)
+    pid_bn = tl.program_id(1)
+    b = pid_bn // num_heads
+    n = pid_bn % num_heads
+    q_base = b.to(tl.int64) * stride_qb + n * stride_qn
+    kv_base = b.to(tl.int64) * stride_kb + (n // groups) * stride_kn
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    dim_ok = dims < HEAD_DIM
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offsets = q_base + rows[:, None] * stride_ql + dims[None, :]
+    q = tl.load(Q + q_offsets, mask=q_mask, other=0.0)
+    do = tl.load(DO + q_offsets, mask=q_mask, other=0.0)
+    row_base = pid_bn.to(tl.int64) * seq_len
+    lse = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
+    q_seg = rows
+    if HAS_SEG:
+        q_seg = tl.load(Q_SEG + b * seq_len + rows, mask=row_ok, other=0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + kv_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+        kv_seg = cols
+        if HAS_SEG:
+            kv_seg = tl.load(KV_SEG + b * seq_len + cols, mask=col_ok, other=0)
+        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, UPCAST_DOT)
+    tl.store(DQ + q_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, K, V, Q_SEG, KV_SEG, DO, LSE, DELTA,
+    seq_len, num_heads, groups, sm_scale,
+    stride_qb, stride_ql, stride_qn, stride_kb, stride_kl, stride_kn,
+    DK_PART, DV_PART,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Grid (cdiv(L, BLOCK_N), B * N): the share of query head n in dk/dv of one kv tile.
+
+    DK_PART / DV_PART are fp32 [B, L, N, H] (q's strides); the wrapper sums each group's G heads.
+    """
+    pid_n = tl.program_id(0)
+    pid_bn = tl.program_id(1)
+    b = pid_bn // num_heads
+    n = pid_bn % num_heads
+    q_base = b.to(tl.int64) * stride_qb + n * stride_qn
+    kv_base = b.to(tl.int64) * stride_kb + (n // groups) * stride_kn
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_ok = cols < seq_len
+    dim_ok = dims < HEAD_DIM
+    kv_mask = col_ok[:, None] & dim_ok[None, :]
+    k = tl.load(K + kv_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_base + cols[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+    kv_seg = cols
+    if HAS_SEG:
+        kv_seg = tl.load(KV_SEG + b * seq_len + cols, mask=col_ok, other=0)
+    row_base = pid_bn.to(tl.int64) * seq_len
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo = 0
+    if CAUSAL:
+        # Query tiles that end before this kv tile's first key never see it.
+        lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M
+    for start in range(lo, seq_len, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < seq_len
+        q_mask = row_ok[:, None] & dim_ok[None, :]
+        q_offsets = q_base + rows[:, None] * stride_ql + dims[None, :]
+        q = tl.load(Q + q_offsets, mask=q_mask, other=0.0)
+        do = tl.load(DO + q_offsets, mask=q_mask, other=0.0)
+        lse = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
+        q_seg = rows
+        if HAS_SEG:
+            q_seg = tl.load(Q_SEG + b * seq_len + rows, mask=row_ok, other=0)
+        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, UPCAST_DOT)
+        dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, UPCAST_DOT)
+    out_offsets = q_base + cols[:, None] * stride_ql + dims[None, :]
+    tl.store(DK_PART + out_offsets, dk * sm_scale, mask=kv_mask)
+    tl.store(DV_PART + out_offsets, dv, mask=kv_mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch plan: grid, scalar arguments and constexprs, shared by the JAX wrapper and the tests.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch needs besides the tensors.
+
+    Kernel argument order: input tensors, then `scalars`, then output tensors; `meta` are the
+    constexprs (keywords). jax-triton's triton_call passes its outputs after the inputs, which is
+    why the outputs come last in every kernel signature.
+    """
+
+    grid: tuple[int, int]
+    scalars: tuple
+    meta: dict
+    num_warps: int
+    num_stages: int
+
+
+def _check_blocks(blocks: BlockSizes) -> None:
+    for name in ("block_q", "block_kv"):
+        value = getattr(blocks, name)
+        # tl.arange needs powers of two; tl.dot needs every tile dim >= 16.
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"triton attention {name} must be a power of two >= 16, got {value}")
+
+
+def launch_plan(
+    kind: str,
+    q_shape: tuple[int, int, int, int],
+    kv_heads: int,
+    dtype_name: str,
+    *,
+    causal: bool,
+    has_segments: bool,
+    block_sizes: BlockSizes | tuple[int, int] | None = None,
+) -> LaunchPlan:
+    """Grid, scalars and constexprs for kernel `kind` ('fwd', 'dq' or 'dkv').
+
+    Args:
+      kind: which kernel.
+      q_shape: (B, L, N, H); q, k and v are contiguous in [B, L, heads, H].
+      kv_heads: K.
+      dtype_name: q's dtype name ('float32', 'bfloat16', 'float16'); fp32 uses exact fp32 dots
+        (not TF32) so that fp32 results match the reference.
+      causal: causal masking.
+      has_segments: whether segment id tensors are real (else dummies, never read).
+      block_sizes: (BLOCK_M, BLOCK_N) override; defaults differ for forward and backward.
+
+    Returns:
+      The LaunchPlan.
+    """
+    B, L, N, H = q_shape
+    default = DEFAULT_FWD_BLOCKS if kind == "fwd" else DEFAULT_BWD_BLOCKS
+    blocks = as_block_sizes(block_sizes, default)
+    _check_blocks(blocks)
+    # Short sequences: shrink tiles toward L (still powers of two >= 16).
+    block_m = min(blocks.block_q, max(16, triton.next_power_of_2(L)))
+    block_n = min(blocks.block_kv, max(16, triton.next_power_of_2(L)))
+    tiles = triton.cdiv(L, block_n) if kind == "dkv" else triton.cdiv(L, block_m)
+    scalars = (
+        L, N, N // kv_heads, 1.0 / math.sqrt(H),
+        L * N * H, N * H, H,  # q strides (b, l, n); the h stride is 1
+        L * kv_heads * H, kv_heads * H, H,  # k/v strides
+    )
+    meta = dict(
+        HEAD_DIM=H, BLOCK_D=max(16, triton.next_power_of_2(H)), BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal), HAS_SEG=bool(has_segments),
+        DOT_PRECISION="ieee" if dtype_name == "float32" else "tf32",
+        UPCAST_DOT=bool(triton.knobs.runtime.interpret) and dtype_name != "float32",
+    )
+    num_warps = 4 if H <= 64 else 8
+    num_stages = 3 if kind == "fwd" else 2
+    return LaunchPlan(grid=(tiles, B * N), scalars=scalars, meta=meta, num_warps=num_warps, num_stages=num_stages)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX entry point (GPU only).
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    causal: bool
+    block_sizes: BlockSizes | None
+    bwd_block_sizes: BlockSizes | None
+
+
+def _plan(cfg: _Config, kind: str, q, k, has_segments: bool) -> LaunchPlan:
+    blocks = cfg.block_sizes if kind == "fwd" else cfg.bwd_block_sizes
+    return launch_plan(kind, q.shape, k.shape[2], q.dtype.name, causal=cfg.causal,
+                       has_segments=has_segments, block_sizes=blocks)
+
+
+def _call(plan: LaunchPlan, kernel, inputs, out_shape, name: str):
+    import jax_triton as jt  # lazily: importing it fails under a CPU-only jax
+
+    return jt.triton_call(
+        *inputs, *plan.scalars, kernel=kernel, out_shape=out_shape, grid=plan.grid, name=name,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.meta,
+    )
+
+
+def _segments(segs):
+    """Real (q_seg, kv_seg) int32 [B, L], or 1-element dummies the kernels never read."""
+    if segs is None:
+        dummy = jnp.zeros((1,), jnp.int32)
+        return dummy, dummy, False
+    return segs[0], segs[1], True
+
+
+def _fwd(cfg: _Config, q, k, v, segs):
+    B, L, N, H = q.shape
+    q_seg, kv_seg, has_seg = _segments(segs)
+    plan = _plan(cfg, "fwd", q, k, has_seg)
+    o, lse = _call(plan, _fwd_kernel, (q, k, v, q_seg, kv_seg),
+                   [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, L), jnp.float32)],
+                   "flash_attention_fwd")
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg: _Config, q, k, v, segs):
+    return _fwd(cfg, q, k, v, segs)[0]
+
+
+def _flash_fwd(cfg, q, k, v, segs):
+    o, lse = _fwd(cfg, q, k, v, segs)
+    return o, (q, k, v, segs, o, lse)
+
+
+def _flash_bwd(cfg, residuals, do):
+    q, k, v, segs, o, lse = residuals
+    B, L, N, H = q.shape
+    K = k.shape[2]
+    do = do.astype(q.dtype)
+    q_seg, kv_seg, has_seg = _segments(segs)
+    # D = rowsum(dO * O) as [B, N, L]: one fused elementwise pass in XLA.
+    delta = jnp.einsum("blnh,blnh->bnl", do.astype(jnp.float32), o.astype(jnp.float32))
+    inputs = (q, k, v, q_seg, kv_seg, do, lse, delta)
+    dq = _call(_plan(cfg, "dq", q, k, has_seg), _dq_kernel, inputs,
+               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")
+    part = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    dk_part, dv_part = _call(_plan(cfg, "dkv", q, k, has_seg), _dkv_kernel, inputs, [part, part],
+                             "flash_attention_dkv")
+    # Query head n = kv_head * G + g: sum the G shares of each kv head.
+    dk = dk_part.reshape(B, L, K, N // K, H).sum(axis=3).astype(k.dtype)
+    dv = dv_part.reshape(B, L, K, N // K, H).sum(axis=3).astype(v.dtype)
+    return dq, dk, dv, None  # segment ids are integers: no cotangent
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def triton_flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    segment_ids=None,
+    kv_segment_ids=None,
+    block_sizes: BlockSizes | tuple[int, int] | None = None,
+):
+    """Flash attention with the Triton kernels via jax-triton (NVIDIA GPU); differentiable.
+
+    Args:
+      q: [B, L, N, H] queries.
+      k: [B, L, K, H] keys, N a multiple of K.
+      v: [B, L, K, H] values.
+      causal: mask keys after the query position.
+      segment_ids: [B, L] int; queries attend only to keys with the same id.
+      kv_segment_ids: ids of the keys when they differ from the queries' (defaults to segment_ids).
+      block_sizes: (BLOCK_M, BLOCK_N) powers of two >= 16 for all three kernels; None = defaults
+        (forward 128x64, backward 64x64).
+
+    Returns:
+      [B, L, N, H] in q's dtype; rows with no visible key are 0.
+    """
+    check_attention_inputs(q, k, v, segment_ids)
+    blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
+    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
+    segs = None
+    if segment_ids is not None:
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        segs = (segment_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+    return _flash(cfg, q, k, v, segs)
