@@ -107,6 +107,8 @@ class DataConfig:
     seed: int = 0  # seeds the global data order (independent of run.seed)
     prefetch: int = 2  # batches prepared ahead on background threads
     eval: Optional[str] = None  # held-out path for the same source (file, directory or glob)
+    eod_id: Optional[int] = None  # end-of-document id: token files without meta.json, or a JSON tokenizer's (null = auto)
+    text_field: str = "text"  # text source: the field of each .jsonl line that holds the document
     markov_states: int = 64  # markov source: number of token states (<= model.vocab_size)
     markov_branching: int = 4  # markov source: successors per state
     markov_temperature: float = 1.0  # markov source: softness of transition probabilities
@@ -215,6 +217,11 @@ def _coerce(key: str, value: Any, t: Any) -> Any:
     elif t is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string; accept it as a float
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif t is str:
         if isinstance(value, str):
             return value
@@ -344,6 +351,13 @@ def validate(cfg: Config) -> None:
             f"data.markov_states={d.markov_states} must be between 2 and model.vocab_size={m.vocab_size}")
     if d.source == "markov" and not 1 <= d.markov_branching <= d.markov_states:
         raise ConfigError(f"data.markov_branching={d.markov_branching} must be between 1 and data.markov_states")
+    if d.eod_id is not None and not 0 <= d.eod_id < m.vocab_size:
+        raise ConfigError(f"data.eod_id={d.eod_id} must be within [0, model.vocab_size={m.vocab_size})")
+    if d.source == "text" and d.tokenizer == "bytes" and m.vocab_size < 257:
+        raise ConfigError(f"data.tokenizer=bytes needs model.vocab_size >= 257 (256 byte values + the "
+                          f"end-of-document id 256), got {m.vocab_size}")
+    if not 0 <= d.seed < 2**32:
+        raise ConfigError(f"data.seed={d.seed} must be within [0, 2**32) (it seeds Grain's index shuffle)")
     if d.source in ("tokens", "text") and not d.path:
         raise ConfigError(f"data.source={d.source} needs data.path (a file, directory or glob)")
     if cfg.mesh.stage != 1:

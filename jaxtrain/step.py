@@ -106,7 +106,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state, "rng": state["rng"]}
-        metrics = {"loss": loss_total / denom, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss_total / denom, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state["step"]), "tokens": tokens,
                    "loss_scale": jnp.float32(1.0), "skipped": jnp.bool_(False)}
         return new_state, metrics

@@ -88,11 +88,14 @@ class Trainer:
         self.state_shardings = {"step": replicated, "params": self.param_shardings,
                                 "opt_state": opt_shardings, "rng": replicated}
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
+        self.eval_step = jax.jit(make_eval_step(self.graphdef, self.mesh, self.rules),
+                                 in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=(replicated, replicated))
 
         # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
         self.data = build_train_data(cfg, self.process_index, self.process_count)
         self.state = self._init_state()
-        self._compile()
+        self.compiled_step = None  # compiled on first use (see _compile)
 
         self.output_dir = Path(cfg.run.output_dir)
         primary = self.process_index == 0 and write_files
@@ -139,9 +142,8 @@ class Trainer:
         self.lowered_step = jitted.lower(abstract_state, self._abstract_batch())
         self.compiled_step = self.lowered_step.compile()
         self.compile_s = time.perf_counter() - t
-        eval_fn = make_eval_step(self.graphdef, self.mesh, self.rules)
-        self.eval_step = jax.jit(eval_fn, in_shardings=(self.param_shardings, self.batch_sharding),
-                                 out_shardings=(replicated, replicated))
+
+
 
     # ------------------------------------------------------------------ stepping
 
@@ -156,6 +158,8 @@ class Trainer:
 
     def _dispatch(self) -> int:
         """Queue one step on the device; returns the step number it produces."""
+        if self.compiled_step is None:
+            self._compile()
         batch, wait = self._next_batch()
         self.state, metrics = self.compiled_step(self.state, batch)
         self._host_step += 1  # the host's count, so it never has to read the device's step
@@ -228,6 +232,8 @@ class Trainer:
         """Train until train.steps. Returns a summary (final step, last logged loss)."""
         cfg = self.cfg
         start = self._host_step
+        if self.compiled_step is None:
+            self._compile()
         self.log.event("start", start, devices=self.mesh.size, processes=self.process_count,
                        mesh=self.mesh_sizes, params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),

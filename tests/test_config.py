@@ -1,0 +1,92 @@
+"""Config parsing, validation and the frozen contract of DESIGN §4."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.config import ConfigError, all_keys, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+# DESIGN §4: these names are fixed. Renaming or dropping one breaks users, tests and benchmarks.
+FIXED_KEYS = {
+    "run.name", "run.output_dir", "run.seed", "train.steps", "train.log_every",
+    "mesh.data", "mesh.stage", "mesh.fsdp", "mesh.tensor",
+    "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+    "model.head_dim", "model.mlp_dim", "model.attention",
+    "data.source", "data.path", "data.tokenizer", "data.seq_len", "data.global_batch_size",
+    "precision.policy", "checkpoint.every_steps",
+}
+FIXED_METRICS = {"step", "loss", "grad_norm", "learning_rate", "loss_scale", "step_time_s", "tokens_per_sec",
+                 "tflops_per_device", "mfu", "skipped"}
+FIXED_VERBS = {"train", "inspect", "prepare-data", "launch", "checkpoints"}
+
+
+def test_fixed_keys_exist():
+    assert FIXED_KEYS <= set(all_keys())
+
+
+def test_cli_verbs_exist():
+    from jaxtrain.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert FIXED_VERBS <= set(sub.choices)
+
+
+def test_every_shipped_config_loads():
+    configs = sorted((REPO / "configs").rglob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        load_config(path)
+
+
+def test_overrides_and_types():
+    cfg = load_config(REPO / "configs/tiny.yaml", ["train.steps=7", "optim.learning_rate=1e-3", "mesh.rules={batch: data}"])
+    assert cfg.train.steps == 7 and cfg.optim.learning_rate == 1e-3 and cfg.mesh.rules == {"batch": "data"}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.d_modle=64"], "unknown config key 'model.d_modle'; did you mean 'model.d_model'?"),
+    (["modle.d_model=64"], "did you mean 'model.d_model'?"),
+    (["train.steps=ten"], "config key 'train.steps' expects int, got 'ten'"),
+    (["model.attention=flash"], "config key 'model.attention' must be one of auto, xla, pallas, triton, cudnn"),
+    (["model.num_heads=6", "model.num_kv_heads=4"], "model.num_heads=6 is not a multiple of model.num_kv_heads=4"),
+    (["train.steps"], "not of the form section.key=value"),
+    (["data.seq_len=4096"], "data.seq_len=4096 is larger than model.max_seq_len=256"),
+])
+def test_phase1_errors_name_the_problem(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert message in str(e.value)
+
+
+def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.d_modle=64"], "did you mean 'model.d_model'"),
+    (["train.steps=abc"], "expects int"),
+    (["mesh.data=3"], "mesh (data=3, stage=1, fsdp=1, tensor=1) multiplies to 3 but there are 8 devices"),
+    (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.global_batch_size=6"], "not divisible by the 4-way data parallelism"),
+    (["mesh.data=1", "mesh.tensor=8"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
+    (["data.source=tokens", "data.path=/nonexistent/corpus.bin"], "/nonexistent/corpus.bin"),
+])
+def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):
+    out = tmp_path / "run"
+    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={out}", *overrides,
+                      "--cpu-devices", "8", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists()
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    result = jaxtrain("train", "--config", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert result.returncode == 2 and "does not exist" in result.stderr

@@ -1,0 +1,98 @@
+"""Every parallel layout computes what one device computes: loss, gradients, parameters after 3 steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.config import load_config
+from jaxtrain.sharding import bytes_per_device, global_batch
+from jaxtrain.step import loss_sum
+from jaxtrain.trainer import BATCH_KEYS, Trainer
+
+# Sizes chosen so every weight dimension divides by 8 (tensor=8 needs heads and kv_heads of 8).
+BASE = [
+    "model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=8",
+    "model.num_kv_heads=8", "model.head_dim=8", "model.mlp_dim=64", "model.attention=xla",
+    "data.seq_len=16", "data.global_batch_size=16", "train.steps=3", "optim.warmup_steps=0",
+    "optim.learning_rate=1e-3",  # Adam magnifies float noise in ~0 gradients by lr
+]
+GQA = ["model.num_kv_heads=4"]
+
+LAYOUTS = {
+    "data8": ["mesh.data=8"],
+    "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
+    "tensor8": ["mesh.data=1", "mesh.tensor=8"],
+    "data2_fsdp2_tensor2_gqa": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *GQA],
+}
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| over a whole tensor."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def run(overrides: list[str], devices) -> tuple[list[float], dict, dict]:
+    trainer = Trainer(load_config(None, BASE + overrides + ["mesh.fsdp=1", "mesh.tensor=1", "mesh.data=1"]
+                                  if len(devices) == 1 else BASE + overrides), write_files=False, devices=devices)
+    # Gradients at the initial parameters on the first batch, under this layout's shardings.
+    first = next(type(trainer.data)(trainer.cfg, 0, 1))
+    batch = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
+    grad_fn = jax.jit(jax.grad(lambda p, b: loss_sum(p, trainer.graphdef, b)[0]))
+    grads = jax.device_get(grad_fn(trainer.state["params"], batch))
+    initial = jax.device_get(trainer.state["params"])
+    losses = [trainer.step()["loss"] for _ in range(3)]
+    final = jax.device_get(trainer.state["params"])
+    # The parameters really moved, so "equal" below is not the trivial "nothing changed".
+    assert rel_err(final["blocks"]["mlp"]["w_down"], initial["blocks"]["mlp"]["w_down"]) > 1e-2
+    return losses, grads, final
+
+
+@pytest.fixture(scope="module")
+def single_device_runs():
+    one = jax.devices()[:1]
+    return {"mha": run([], one), "gqa": run(GQA, one)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_single_device(layout, single_device_runs):
+    overrides = LAYOUTS[layout]
+    ref_losses, ref_grads, ref_params = single_device_runs["gqa" if GQA[0] in overrides else "mha"]
+    losses, grads, params = run(overrides, jax.devices())
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) / abs(want) <= 1e-5, (losses, ref_losses)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        want = _at(ref_grads, path)
+        assert rel_err(g, want) <= 1e-4, (jax.tree_util.keystr(path), rel_err(g, want))
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        want = _at(ref_params, path)
+        assert rel_err(p, want) <= 1e-4, (jax.tree_util.keystr(path), rel_err(p, want))
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return tree
+
+
+def test_fsdp8_splits_every_large_weight():
+    trainer = Trainer(load_config(None, BASE + LAYOUTS["fsdp8"]), write_files=False)
+    params = trainer.state["params"]
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    small = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shard = x.addressable_shards[0].data
+        if x.ndim >= 2 and x.size >= 1024:  # every matrix: split 8 ways along its `embed` dimension
+            assert shard.size * 8 == x.size, (jax.tree_util.keystr(path), x.shape, shard.shape)
+        else:
+            small += x.nbytes
+    per_device = bytes_per_device(params)
+    assert len(per_device) == 8
+    assert max(per_device.values()) <= total / 8 + small, (per_device, total, small)
+    # Optimizer moments follow the parameters' shardings (ZeRO-3), not replicated copies.
+    opt_bytes = bytes_per_device(trainer.state["opt_state"])
+    opt_total = sum(x.nbytes for x in jax.tree_util.tree_leaves(trainer.state["opt_state"]))
+    assert max(opt_bytes.values()) <= opt_total / 8 + 2 * small + 64
