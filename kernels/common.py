@@ -66,3 +66,34 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if segment_ids is not None and tuple(segment_ids.shape) != (B, L):
         raise ValueError(f"segment_ids must be [batch, seq] = [{B}, {L}]; got {tuple(segment_ids.shape)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# shard_map support. Inside `jax.shard_map` (check_vma=True, the default) every value records the
+# mesh axes it varies over, and a custom VJP must return cotangents that vary exactly like its
+# inputs. With MQA under tensor parallelism, q varies over 'tensor' while k/v do not; the kernels'
+# dk/dv would then vary where k does not. Making every input vary like the union first lets JAX's
+# own transpose of that cast insert the psum. The attribute names moved between JAX releases
+# (`aval.vma` / `lax.pvary` before, `aval.manual_axis_type.varying` / `lax.pcast` now).
+# ------------------------------------------------------------------------------------------------
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """Mesh axes `x` varies over inside shard_map; empty outside."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like_all(*xs):
+    """Returns xs (None entries kept) cast to vary over the union of their varying axes."""
+    target = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(target - varying_axes(x))) if x is not None else ()
+        if missing:
+            x = jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
+        out.append(x)
+    return tuple(out)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs
+from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=128)
 
@@ -236,6 +236,23 @@ def _dkv_kernel(*refs, cfg: _Config, has_segments: bool):
 # ------------------------------------------------------------------------------------------------
 
 
+def _out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """An output shape that varies over the same shard_map axes as `like`.
+
+    Inside `jax.shard_map` (check_vma=True, the default) pallas_call must be told how its outputs
+    vary across mesh axes; they vary like q. The field is `manual_axis_type` in current JAX and was
+    `vma` before, hence the lookup. Outside shard_map the value is empty and ignored.
+    """
+    aval = jax.typeof(like)
+    for field in ("manual_axis_type", "vma"):
+        if hasattr(aval, field):
+            try:
+                return jax.ShapeDtypeStruct(shape, dtype, **{field: getattr(aval, field)})
+            except TypeError:
+                continue
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def _compiler_params(cfg: _Config):
     """Backend hints: every grid axis is independent (megacore on TPU); none in interpret mode."""
     if cfg.interpret:
@@ -285,7 +302,7 @@ def _fwd_call(cfg: _Config, q, k, v, segs):
         grid=(B, N, Lp // cfg.block_q),
         in_specs=in_specs,
         out_specs=[_q_tile_spec(cfg), row_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Lp, 1), jnp.float32)],
+        out_shape=[_out_struct(q.shape, q.dtype, q), _out_struct((B, N, Lp, 1), jnp.float32, q)],
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
@@ -315,7 +332,7 @@ def _bwd_call(cfg: _Config, q, k, v, segs, o, lse, do):
         grid=(B, N, Lp // cfg.block_q),
         in_specs=in_specs,
         out_specs=_q_tile_spec(cfg),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=_out_struct(q.shape, q.dtype, q),
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_dq",
@@ -343,7 +360,7 @@ def _bwd_call(cfg: _Config, q, k, v, segs, o, lse, do):
         grid=(B, N, Lp // cfg.block_kv),
         in_specs=in_specs,
         out_specs=[out_tile, out_tile],
-        out_shape=[jax.ShapeDtypeStruct((B, N, Lp, H), part_dtype)] * 2,
+        out_shape=[_out_struct((B, N, Lp, H), part_dtype, q)] * 2,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_dkv",
@@ -415,10 +432,11 @@ def pallas_flash_attention(
     def to_kernel_layout(x_BLXH):  # [B, L, X, H] -> [B, X, Lp, H]
         return jnp.pad(x_BLXH, ((0, 0), (0, Lp - L), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
+    if segment_ids is not None and kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    q, k, v, segment_ids, kv_segment_ids = vary_like_all(q, k, v, segment_ids, kv_segment_ids)
     segs = None
     if segment_ids is not None:
-        if kv_segment_ids is None:
-            kv_segment_ids = segment_ids
         # Padded positions get id 0; they are masked by length (keys) or sliced off (queries).
         q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
         kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs
+from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
 
 # Globals read inside @triton.jit must be constexpr.
 _MASK = tl.constexpr(MASK_VALUE)
@@ -426,8 +426,10 @@ def triton_flash_attention(
     check_attention_inputs(q, k, v, segment_ids)
     blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
     cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
+    if segment_ids is not None and kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    q, k, v, segment_ids, kv_segment_ids = vary_like_all(q, k, v, segment_ids, kv_segment_ids)
     segs = None
     if segment_ids is not None:
-        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
-        segs = (segment_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+        segs = (segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
     return _flash(cfg, q, k, v, segs)
