@@ -1,0 +1,63 @@
+"""Asynchronous, atomic, multi-host checkpoints of the training state (Orbax + TensorStore).
+
+Where things live: `checkpointer.py` (the Checkpointer: save/restore/retention/events),
+`layout.py` (on-disk format, commit marker, discovery, `jaxtrain checkpoints DIR`),
+`multihost.py` (barriers that name missing processes), `compilation_cache.py` (fast restart).
+
+The trainer owns one `Checkpointer` per run directory and calls it from every process, in the
+same order (each method is collective):
+
+    ckpt = Checkpointer(run_dir + "/checkpoints", cfg.checkpoint, on_event=events.write)
+    step = ckpt.latest_step()                    # newest GOOD checkpoint, or None
+    if step is not None:
+        state, extra = ckpt.restore(step, abstract_state)   # straight into these shardings
+    for ...:
+        state, metrics = train_step(state, batch)
+        if ckpt.should_save(step, last=step == total):      # same answer on every host
+            ckpt.save(step, state, {"data": it.state(), ...})  # returns once the arrays are copied
+    ckpt.wait()                                  # before exit: the last save is committed
+
+Layout of `directory` (any tensorstore URL works: a local path, gs://, s3://):
+
+    <step>/                      one folder per checkpoint, named by the step (Orbax's own naming)
+      state/                     the array pytree: OCDBT/zarr, one ocdbt.process_<i>/ per writer
+      extra/metadata             the JSON extras (data iterator, resolved config, ...)
+      _CHECKPOINT_METADATA, commit_success.txt    Orbax's own bookkeeping
+      commit.json                OUR commit marker: written last, by process 0 only
+    <step>.orbax-checkpoint-tmp/ a write in progress (or a crashed one); never read
+
+A checkpoint exists only once `commit.json` exists and every file in its manifest is present
+with the recorded size. Discovery (`latest_step`, `list_checkpoints`) ignores anything else.
+
+Failure windows (what a kill, or a lost host, at each moment leaves behind):
+  1. During the blocking copy or the background write: only a `<step>.orbax-checkpoint-tmp/`
+     folder (on gs:// a `<step>/` without commit files) and no marker -> invisible; the previous
+     checkpoint is the latest. The next save of a later step deletes the leftovers.
+  2. After Orbax renamed the folder to `<step>/` but before `commit.json` is written: complete
+     data, no marker -> invisible, reported as `checkpoint_damaged` ("no commit marker") by
+     `latest_step`; one checkpoint's worth of progress is lost, nothing is corrupted.
+  3. While writing `commit.json`: locally it is written to a temporary name, fsynced and renamed
+     (atomic); on object stores a single object write is atomic. Either no marker or a whole one.
+  4. Before the marker, every data file is fsynced (local disks), so a host crash (not just a
+     process kill) cannot leave a marker that points at data still in the page cache.
+  5. During retention: an old checkpoint loses its marker first, then its files; a half-deleted
+     folder is "uncommitted", never mistaken for good. The newest good checkpoint is never in
+     the delete set, and retention runs only after a new checkpoint has committed.
+  6. Files damaged after the commit (truncated, deleted, partial copy): the manifest check finds
+     a missing file or a size change; `latest_step` reports `checkpoint_damaged` and falls back
+     to the previous good one. Not caught: same-size bit flips (no checksums; too slow to hash
+     hundreds of GB on every restart).
+  7. Multi-host: if a process dies while writing, process 0's write-complete barrier times out
+     after `barrier_timeout_s` with an error naming the missing process; no marker is written,
+     and the error is raised by the next `save()`/`wait()` so the job can be restarted.
+"""
+
+from jaxtrain.checkpoint.checkpointer import (Checkpointer, CheckpointError, EventFn, all_finite,
+                                              restore_params_only)
+from jaxtrain.checkpoint.compilation_cache import enable_compilation_cache
+from jaxtrain.checkpoint.layout import MARKER, check_checkpoint, is_local, list_checkpoints, main, to_path
+from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier
+
+__all__ = ["Checkpointer", "CheckpointError", "BarrierTimeoutError", "EventFn", "all_finite", "barrier",
+           "check_checkpoint", "enable_compilation_cache", "is_local", "list_checkpoints", "main",
+           "restore_params_only", "to_path", "MARKER"]

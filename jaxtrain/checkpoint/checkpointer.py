@@ -1,0 +1,450 @@
+"""The `Checkpointer`: asynchronous Orbax saves, commit marker, retention, restore onto any mesh."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import itertools
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, fsync_tree, is_local, latest_good,
+                                        list_files, scan, to_path, write_atomic)
+from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client as _client
+from jaxtrain.config import CheckpointConfig, ConfigError
+
+EventFn = Callable[..., None]  # on_event(kind: str, step: int, **details)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or is not usable (damaged, failed background write)."""
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    """'opt_state.0.mu.w' -> leaf. NamedTuple fields and list indices are spelled the way Orbax
+    names them in its metadata, so a model tree and a checkpoint tree compare by these names."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _check_compatible(folder: epath.Path, abstract: Any, *, prefix: str = "") -> None:
+    """Raise ConfigError unless the saved arrays have the abstract tree's names and shapes.
+
+    Reads only Orbax's metadata file, so nothing is loaded and nothing is written. With a
+    `prefix` ('params'), only that subtree is compared and other saved entries are ignored.
+    """
+    saved = _flat(ocp.PyTreeCheckpointHandler().metadata(folder / "state").tree)
+    wanted = _flat({prefix: abstract} if prefix else abstract)
+    problems = []
+    # Parameters first: a model-shape change shows there, the optimizer state only mirrors it.
+    for name, leaf in sorted(wanted.items(), key=lambda kv: not kv[0].startswith("params.")):
+        if name not in saved:
+            problems.append(f"'{name}' is in the model but not in the checkpoint")
+        elif tuple(saved[name].shape) != tuple(leaf.shape):
+            kind = "parameter" if name.startswith("params.") else "entry"
+            problems.append(f"{kind} '{name}' has shape {tuple(saved[name].shape)} in the checkpoint "
+                            f"but {tuple(leaf.shape)} in the model")
+    for name in saved:
+        if name not in wanted and (not prefix or name.startswith(prefix + ".")):
+            problems.append(f"'{name}' is in the checkpoint but not in the model")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError(f"checkpoint {folder} does not match this model: {'; '.join(problems[:3])}{more}. "
+                          "Use the model config it was saved with, or start a new run directory")
+
+
+@jax.jit
+def _all_finite_device(leaves: list[jax.Array]) -> jax.Array:
+    # x * 0 is 0 for every finite x and NaN for NaN or +-Inf, and a sum of zeros cannot overflow,
+    # so the total is finite exactly when every element is. One add-reduction per leaf is ~2x
+    # faster on the CPU than all(isfinite(x)) (200 MB: 75 vs 142 ms), and this check is on the
+    # save's blocking path. (max(abs(x)) is not an option: XLA's CPU max drops NaNs.)
+    return jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in leaves))
+
+
+def all_finite(tree: Any) -> bool:
+    """True when every float leaf of `tree` is finite: one jitted reduction over all leaves, so
+    one host sync; integer leaves (step, RNG key data) are not looked at."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    host = [x for x in leaves if not isinstance(x, jax.Array)]
+    device = [x for x in leaves if isinstance(x, jax.Array)]
+    if not all(np.isfinite(np.asarray(x)).all() for x in host):
+        return False
+    if not device:
+        return True
+    out = _all_finite_device(device)
+    # The result is replicated; addressable_data works when it spans several processes.
+    return bool(np.asarray(out.addressable_data(0)))
+
+
+def _mesh_shape(tree: Any) -> Optional[dict]:
+    for x in jax.tree.leaves(tree):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return {str(k): int(v) for k, v in mesh.shape.items()}
+    return None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxtrain")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _pytree_handler() -> ocp.PyTreeCheckpointHandler:
+    # Orbax by default splits each replicated shard among its replicas ("replica parallel") so
+    # that data-parallel hosts share the write. The split is a device-side slice done in the
+    # blocking phase; on the CPU it is a memcpy that made up ~90% of the blocked time (200 MB:
+    # 90 of 100 ms). On GPU/TPU the slice is cheap and sharing the write pays off, so keep it.
+    try:
+        from orbax.checkpoint._src.metadata import array_metadata_store
+        store = array_metadata_store.Store()
+    except ImportError:  # pragma: no cover - only the metadata used for resharding hints
+        store = None
+    handlers = [(t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()]
+    handlers = [(t, h) for t, h in handlers if t is not jax.Array]
+    handlers.append((jax.Array, ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=jax.default_backend() != "cpu", array_metadata_store=store)))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=ocp.type_handlers.create_type_handler_registry(*handlers))
+
+
+class Checkpointer:
+    """Saves and restores the training state in `directory`; see the package docstring.
+
+    Every method is collective: call it on every process, in the same order. `on_event` is
+    called on process 0 only, always from the calling (main) thread: events of the background
+    commit are queued and delivered by the next call into the Checkpointer.
+    """
+
+    _instances = itertools.count()  # same order on every process -> same key-value names
+
+    def __init__(self, directory: str, cfg: CheckpointConfig, *, barrier_timeout_s: Optional[float] = None,
+                 on_event: Optional[EventFn] = None):
+        """Args:
+          directory: the run's `checkpoints/` folder; a local path or a tensorstore URL.
+          cfg: the `checkpoint` config section (every_steps, every_minutes, keep_last, ...).
+          barrier_timeout_s: overrides cfg.barrier_timeout_s for every host-level wait.
+          on_event: `on_event(kind, step, **details)` for checkpoint_saved/_skipped/_damaged/_failed.
+        """
+        self.directory = to_path(directory)
+        self.cfg = cfg
+        self.timeout_s = float(cfg.barrier_timeout_s if barrier_timeout_s is None else barrier_timeout_s)
+        self._on_event = on_event
+        self._primary = jax.process_index() == 0
+        self._uid = next(Checkpointer._instances)
+        self._calls = itertools.count()
+        self._prev_barrier_key: Optional[str] = None
+        self._agree_keys: list[str] = []
+        self._events: list[tuple[str, int, dict]] = []
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._inflight: Optional[int] = None
+        self._damaged_reported: set[int] = set()
+        self._last_save_time = time.monotonic()
+        if self._primary and is_local(os.fspath(self.directory)):
+            os.makedirs(os.fspath(self.directory), exist_ok=True)
+        self._orbax = ocp.AsyncCheckpointer(
+            ocp.CompositeCheckpointHandler(state=_pytree_handler(), extra=ocp.JsonCheckpointHandler()),
+            # Deadline for one whole background write; barriers inside it use barrier_timeout_s.
+            timeout_secs=int(max(3600, self.timeout_s)),
+            async_options=ocp.options.AsyncOptions(barrier_sync_fn=self._orbax_barrier),
+        )
+
+    # -- coordination --------------------------------------------------------------------
+
+    def _barrier(self, what: str) -> None:
+        """A named barrier; afterwards, keys that every process has provably read are deleted."""
+        if jax.process_count() == 1:
+            return
+        name = f"ckpt{self._uid}/{next(self._calls)}/{what}"
+        barrier(name, self.timeout_s)
+        client = _client()
+        # Everyone arrived here, so everyone passed the previous barrier and read every decision
+        # made before it: those keys can go (the coordinator keeps keys until deleted).
+        if self._prev_barrier_key is not None:
+            client.key_value_delete(self._prev_barrier_key)
+        self._prev_barrier_key = f"jaxtrain/barrier/{name}/{jax.process_index()}"
+        if self._primary:
+            for key in self._agree_keys:
+                client.key_value_delete(key)
+            self._agree_keys = []
+
+    def _orbax_barrier(self, *, key: str, timeout_ms: int) -> None:
+        # Orbax's own barriers (write complete, commit complete) go through ours so a missing
+        # process is named; keys are already unique per checkpoint.
+        barrier(f"orbax/{key}", min(timeout_ms / 1000, self.timeout_s))
+
+    def _agree(self, what: str, decide: Callable[[], str]) -> str:
+        """Process 0 runs `decide()`; every process gets its answer through the key-value store.
+
+        Unlike broadcast_one_to_all this is no device collective: it neither waits for queued
+        device work nor hangs silently; a process whose answer does not come names process 0.
+        """
+        if jax.process_count() == 1:
+            return decide()
+        key = f"jaxtrain/ckpt{self._uid}/agree/{next(self._calls)}"
+        client = _client()
+        if self._primary:
+            value = decide()
+            client.key_value_set(key, f"{what}={value}")
+            self._agree_keys.append(key)
+            return value
+        try:
+            got = client.blocking_key_value_get(key, max(1, int(self.timeout_s * 1000)))
+        except Exception:
+            raise BarrierTimeoutError(
+                f"process {jax.process_index()} waited {self.timeout_s:g} s for process 0 to decide "
+                f"'{what}': process(es) [0] never arrived (see checkpoint.barrier_timeout_s)") from None
+        asked, value = got.split("=", 1)
+        if asked != what:
+            raise CheckpointError(f"processes call the Checkpointer in different orders: process 0 "
+                                  f"answered '{asked}' while process {jax.process_index()} asked '{what}'")
+        return value
+
+    def _emit(self, kind: str, step: int, **details: Any) -> None:
+        if self._primary and self._on_event is not None:
+            with self._lock:
+                self._events.append((kind, step, details))
+
+    def _drain_events(self) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+        for kind, step, details in events:
+            self._on_event(kind, step, **details)
+
+    # -- public API ----------------------------------------------------------------------
+
+    def should_save(self, step: int, *, last: bool = False) -> bool:
+        """Whether to save after `step`: every_steps, every_minutes or the final step.
+
+        Args:
+          step: optimizer steps completed.
+          last: True on the final step (saves when cfg.save_at_end).
+        Returns:
+          The same answer on every process (time is read on process 0 only).
+        """
+        self._drain_events()
+        cfg = self.cfg
+        if (last and cfg.save_at_end) or (cfg.every_steps > 0 and step > 0 and step % cfg.every_steps == 0):
+            return True
+        if cfg.every_minutes <= 0:
+            return False
+        due = lambda: str(time.monotonic() - self._last_save_time >= cfg.every_minutes * 60)
+        return self._agree(f"should_save {step}", due) == "True"
+
+    def save(self, step: int, state: Any, extra: Optional[dict] = None) -> bool:
+        """Start saving `state` (+ JSON `extra`) as checkpoint `step`; returns when the arrays are
+        copied off the devices, so the caller may donate or overwrite `state` at once.
+
+        Args:
+          step: the step number (the folder name).
+          state: pytree of jax.Arrays (sharded over any mesh, any number of processes).
+          extra: JSON-serialisable dict (data iterator state, config, ...); no pickles.
+        Returns:
+          True if a save was started; False if skipped (non-finite values, or this step is
+          already committed) with a `checkpoint_skipped` event.
+        Raises:
+          CheckpointError: the previous background save failed.
+          BarrierTimeoutError: a process did not arrive; the message names it.
+        """
+        t0 = time.monotonic()
+        self._join()
+        self._drain_events()
+        folder = self.directory / str(step)
+        if self._agree(f"prepare {step}", lambda: self._prepare(step, folder)) == "exists":
+            self._emit("checkpoint_skipped", step, reason="a committed checkpoint of this step exists")
+            self._drain_events()
+            return False
+        self._barrier(f"save {step}")  # before the first collective: a missing host is named
+        if not all_finite(state):
+            self._emit("checkpoint_skipped", step, reason="state has non-finite values (NaN/Inf)")
+            self._drain_events()
+            return False
+        meta = {"format": FORMAT, "step": int(step), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), "unix_time": time.time(), "mesh": _mesh_shape(state),
+            "process_count": jax.process_count(), "jaxtrain_version": _version(), "jax_version": jax.__version__}
+        self._orbax.save(folder, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), extra=ocp.args.JsonSave(dict(extra or {}))))
+        self._last_save_time = time.monotonic()
+        blocked_s = time.monotonic() - t0
+        self._inflight = step
+        self._thread = threading.Thread(target=self._commit, args=(step, folder, meta, t0, blocked_s),
+                                        name=f"jaxtrain-commit-{step}", daemon=True)
+        self._thread.start()
+        if not self.cfg.async_save:
+            self.wait()
+        return True
+
+    @property
+    def busy(self) -> bool:
+        """True while a save is still being written in the background (no collective)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed on every process."""
+        self._join()
+        self._barrier("wait")
+        self._drain_events()
+
+    def latest_step(self) -> Optional[int]:
+        """The newest good (committed, intact) checkpoint's step, or None.
+
+        Damaged newer checkpoints are skipped and reported once each as `checkpoint_damaged`.
+        """
+        self._drain_events()
+
+        def report(step: int, reason: str) -> None:
+            if step not in self._damaged_reported:
+                self._damaged_reported.add(step)
+                self._emit("checkpoint_damaged", step, reason=reason, path=os.fspath(self.directory / str(step)))
+
+        skip = self._inflight if self.busy else None  # its folder may exist before its marker
+        value = self._agree("latest", lambda: str(latest_good(self.directory, skip, report)))
+        self._drain_events()
+        return None if value == "None" else int(value)
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Load checkpoint `step` straight into the shardings of `abstract_state`.
+
+        Args:
+          step: a step from `latest_step()`.
+          abstract_state: pytree of jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding)
+            with the same structure as the saved state; the mesh may differ from the one saved.
+        Returns:
+          (state, extra): the arrays, sharded as asked, and the JSON extras.
+        Raises:
+          ConfigError: names, shapes differ (checked before reading any array).
+          CheckpointError: the checkpoint is missing or damaged.
+        """
+        self._join()
+        self._drain_events()
+        folder = self.directory / str(step)
+        good, reason, _ = check_checkpoint(folder)
+        if not good:
+            raise CheckpointError(f"checkpoint {folder} cannot be restored: {reason}")
+        _check_compatible(folder, abstract_state)
+        self._barrier(f"restore {step}")
+        out = self._orbax.restore(folder, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(abstract_state, ocp.checkpoint_utils.construct_restore_args(abstract_state)),
+            extra=ocp.args.JsonRestore()))
+        return out["state"], dict(out["extra"] or {})
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release Orbax's threads."""
+        self.wait()
+        self._orbax.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # already failing: let the write in flight finish, but wait for no other host
+            self._orbax.close()
+
+    # -- background commit (process 0 writes the marker) ----------------------------------
+
+    def _prepare(self, step: int, folder: epath.Path) -> str:
+        """Process 0, before a save: 'exists' if `step` is committed, else clear leftovers."""
+        if check_checkpoint(folder)[0]:
+            return "exists"
+        for s, p, _ in scan(self.directory):
+            if s == step:  # a crashed write of this very step: garbage, never visible
+                p.rmtree()
+        return "ok"
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._inflight = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._drain_events()  # the checkpoint_failed event goes out before the exception
+            raise CheckpointError(f"saving a checkpoint failed in the background: {error}") from error
+
+    def _commit(self, step: int, folder: epath.Path, meta: dict, t0: float, blocked_s: float) -> None:
+        try:
+            self._orbax.wait_until_finished()  # every process's shards written, folder renamed
+            if self._primary:
+                fsync_tree(folder)
+                meta["files"] = list_files(folder)
+                meta["bytes"] = sum(meta["files"].values())
+                write_atomic(folder / MARKER, json.dumps(meta, indent=1))
+                deleted = self._retention(step)
+                self._emit("checkpoint_saved", step, blocked_s=round(blocked_s, 4),
+                           commit_s=round(time.monotonic() - t0, 4), bytes=meta["bytes"], deleted=deleted)
+        except BaseException as e:  # raised to the caller by the next save()/wait()
+            self._error = e
+            self._emit("checkpoint_failed", step, error=f"{type(e).__name__}: {e}")
+
+    def _retention(self, newest: int) -> list[int]:
+        """Delete what keep_last / keep_every do not keep. Runs right after `newest` committed,
+        so the newest good checkpoint is always kept; nothing at or after `newest` is touched."""
+        entries = scan(self.directory)
+        committed = [s for s, p, tmp in entries if not tmp and (p / MARKER).exists()]
+        keep = {newest} | set(committed[-max(self.cfg.keep_last, 1):])
+        if self.cfg.keep_every > 0:
+            keep |= {s for s in committed if s % self.cfg.keep_every == 0}
+        deleted = []
+        for s, p, tmp in entries:
+            if s >= newest or (s in keep and not tmp):
+                continue
+            if (p / MARKER).exists():
+                (p / MARKER).unlink()  # invisible first, then the bulk
+            p.rmtree()
+            deleted.append(s)
+        return sorted(set(deleted))
+
+
+def _resolve_folder(path: str) -> epath.Path:
+    """A `<step>/` folder from a step folder, a checkpoints/ folder or a run directory."""
+    p = to_path(path)
+    if (p / MARKER).exists():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").exists() else p
+    step = latest_good(root)
+    if step is None:
+        raise ConfigError(f"checkpoint.init_from='{path}' holds no committed checkpoint")
+    return root / str(step)
+
+
+def restore_params_only(path: str, abstract_params: Any) -> Any:
+    """Load only the parameters of another run's checkpoint (for `checkpoint.init_from`).
+
+    Args:
+      path: a `<step>/` folder, a `checkpoints/` folder or a run directory (latest good step).
+      abstract_params: pytree of jax.ShapeDtypeStruct with shardings, like the model's params.
+    Returns:
+      The parameters, sharded as asked.
+    Raises:
+      ConfigError: nothing committed there, or the shapes differ (named, before reading).
+    """
+    folder = _resolve_folder(path)
+    good, reason, _ = check_checkpoint(folder)
+    if not good:
+        raise ConfigError(f"checkpoint.init_from='{path}': {folder} is damaged: {reason}")
+    _check_compatible(folder, abstract_params, prefix="params")
+    item = {"params": abstract_params}
+    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(folder / "state", args=ocp.args.PyTreeRestore(
+        item, ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    return restored["params"]

@@ -1,0 +1,207 @@
+"""On-disk format of a checkpoint folder: paths, the commit marker and its manifest, discovery,
+and the `jaxtrain checkpoints DIR` listing. Nothing here touches JAX arrays or other processes.
+
+See the package docstring (`jaxtrain/checkpoint/__init__.py`) for the layout and failure windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Callable, Optional
+
+from etils import epath
+
+MARKER = "commit.json"
+FORMAT = "jaxtrain-checkpoint/1"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary folder suffix (atomic rename mode)
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_local(directory: str) -> bool:
+    """True for a plain filesystem path; False for a URL such as gs://bucket/x or s3://b/x."""
+    return not _URL.match(str(directory))
+
+
+def to_path(directory: str | os.PathLike) -> epath.Path:
+    """An epath for `directory`: local paths made absolute (Orbax needs that), URLs unchanged."""
+    text = os.fspath(directory)
+    if is_local(text):
+        return epath.Path(os.path.abspath(os.path.expanduser(text)))
+    return epath.Path(text)
+
+
+def list_files(folder: epath.Path) -> dict[str, int]:
+    """Relative path -> size in bytes of every file below `folder` (the marker excluded)."""
+    files = {}
+    prefix = len(os.fspath(folder).rstrip("/")) + 1
+    for dirpath, _, names in folder.walk():
+        for name in names:
+            p = dirpath / name
+            rel = os.fspath(p)[prefix:]
+            if rel == MARKER:
+                continue
+            try:
+                files[rel] = p.stat().length
+            except FileNotFoundError:  # deleted meanwhile (retention of an old checkpoint)
+                pass
+    return files
+
+
+def fsync_tree(folder: epath.Path) -> None:
+    """Flush every file and folder below a local `folder` to disk (no-op for URLs)."""
+    if not is_local(os.fspath(folder)):
+        return
+    for dirpath, _, names in os.walk(os.fspath(folder)):
+        for name in names + ["."]:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def write_atomic(path: epath.Path, text: str) -> None:
+    """Write a small file so readers see either nothing or all of it."""
+    if not is_local(os.fspath(path)):
+        path.write_text(text)  # a single object write is atomic on gs:// and s3://
+        return
+    tmp = os.fspath(path) + f".tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.fspath(path))
+    fd = os.open(os.path.dirname(os.fspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def scan(root: epath.Path) -> list[tuple[int, epath.Path, bool]]:
+    """(step, folder, is_orbax_temporary) for every checkpoint-like folder, oldest first."""
+    if not root.exists():
+        return []
+    found = []
+    for p in root.iterdir():
+        name = p.name
+        if name.isdigit():
+            found.append((int(name), p, False))
+        elif name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].isdigit():
+            found.append((int(name[: -len(TMP_SUFFIX)]), p, True))
+    return sorted(found, key=lambda t: (t[0], t[2]))
+
+
+def check_checkpoint(folder: str | epath.Path) -> tuple[bool, Optional[str], Optional[dict]]:
+    """Verify one checkpoint folder against its commit marker.
+
+    Args:
+      folder: a `<step>/` folder.
+    Returns:
+      (good, reason it is not good or None, the marker's contents or None).
+    """
+    folder = to_path(folder)
+    marker = folder / MARKER
+    if not marker.exists():
+        return False, "no commit marker (the write never finished)", None
+    try:
+        meta = json.loads(marker.read_text())
+    except (ValueError, OSError) as e:
+        return False, f"commit marker is unreadable ({type(e).__name__})", None
+    if meta.get("format") != FORMAT or str(meta.get("step")) != folder.name:
+        return False, f"commit marker is for format {meta.get('format')} step {meta.get('step')}", meta
+    actual = list_files(folder)
+    for rel, size in meta["files"].items():
+        if rel not in actual:
+            return False, f"file {rel} is missing", meta
+        if actual[rel] != size:
+            return False, f"file {rel} has {actual[rel]} bytes; the manifest says {size}", meta
+    return True, None, meta
+
+
+def latest_good(root: epath.Path, skip: Optional[int] = None,
+                report: Optional[Callable[[int, str], None]] = None) -> Optional[int]:
+    """Newest step whose checkpoint verifies; damaged newer ones go to `report(step, reason)`."""
+    for step, folder, tmp in reversed(scan(root)):
+        if tmp or step == skip:
+            continue
+        good, reason, _ = check_checkpoint(folder)
+        if good:
+            return step
+        if report is not None:
+            report(step, reason)
+    return None
+
+
+# ----------------------------------------------------------------------------- listing / CLI
+
+
+def list_checkpoints(directory: str) -> list[dict]:
+    """Every checkpoint-like folder in `directory`, oldest first.
+
+    Args:
+      directory: a `checkpoints/` folder (local or URL).
+    Returns:
+      Dicts with step, path, valid, reason (why not valid, else None), bytes, time (ISO, UTC),
+      mesh (axis -> size it was saved on), process_count.
+    """
+    out = []
+    for step, folder, tmp in scan(to_path(directory)):
+        if tmp:
+            good, reason, meta = False, "write in progress or interrupted (Orbax temporary folder)", None
+        else:
+            good, reason, meta = check_checkpoint(folder)
+        meta = meta or {}
+        size = meta.get("bytes") if good else sum(list_files(folder).values())
+        out.append({"step": step, "path": os.fspath(folder), "valid": good, "reason": reason, "bytes": size,
+                    "time": meta.get("time"), "mesh": meta.get("mesh"), "process_count": meta.get("process_count")})
+    return out
+
+
+def _human(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def main(argv: list[str]) -> int:
+    """`jaxtrain checkpoints DIR [--json]`: print the checkpoints of a run.
+
+    Args:
+      argv: arguments after the subcommand.
+    Returns:
+      0, or 2 when DIR does not exist.
+    """
+    parser = argparse.ArgumentParser(prog="jaxtrain checkpoints",
+                                     description="List checkpoints: step, status, size, time, mesh.")
+    parser.add_argument("directory", help="a run directory or its checkpoints/ folder (local or gs://, s3://)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    args = parser.parse_args(argv)
+    root = to_path(args.directory)
+    if (root / "checkpoints").exists():
+        root = root / "checkpoints"
+    elif not root.exists():
+        print(f"jaxtrain checkpoints: '{args.directory}' does not exist", file=sys.stderr)
+        return 2
+    rows = list_checkpoints(os.fspath(root))
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"{root}: {len(rows)} checkpoint folder(s)")
+    print(f"{'STEP':>10}  {'STATUS':<8}  {'SIZE':>9}  {'SAVED (UTC)':<25}  {'MESH':<28}  {'PROCS':>5}  NOTE")
+    for r in rows:
+        mesh = ",".join(f"{k}={v}" for k, v in (r["mesh"] or {}).items()) or "-"
+        print(f"{r['step']:>10}  {'good' if r['valid'] else 'damaged':<8}  {_human(r['bytes']):>9}  "
+              f"{r['time'] or '-':<25}  {mesh:<28}  {r['process_count'] or '-':>5}  {r['reason'] or ''}")
+    good = [r["step"] for r in rows if r["valid"]]
+    print(f"latest good: {good[-1] if good else 'none'}")
+    return 0
