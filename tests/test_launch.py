@@ -1,0 +1,255 @@
+"""`jaxtrain launch`: local multi-process jobs, supervision, restarts.
+
+Two layers:
+- the Supervisor with tiny stand-in children (plain Python, no JAX: milliseconds each) for every
+  supervision rule: exit 0, user error, crash -> restart, restarts spent, SIGTERM -> SIGKILL, signal
+  forwarding, ports and environment;
+- end to end (`python -m jaxtrain.cli launch ...`): 2 processes x 2 simulated CPU devices train the
+  tiny config as one job; a user error exits 2 without a restart; a killed process restarts the job.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.config import ConfigError
+from jaxtrain.launch import RESTART_ATTEMPT_ENV, Supervisor, last_logged_step, main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs/tiny.yaml"
+TINY_OVERRIDES = ["train.steps=4", "train.log_every=1", "data.global_batch_size=8"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ----------------------------------------------------------------------------- stand-in children
+
+def fake(body: str) -> list[str]:
+    """A child command: Python that sees PID (process id), ATTEMPT and the JAXTRAIN_* environment."""
+    prelude = ("import os, signal, sys, time\n"
+               "PID = int(os.environ['JAXTRAIN_PROCESS_ID'])\n"
+               f"ATTEMPT = int(os.environ['{RESTART_ATTEMPT_ENV}'])\n")
+    return [sys.executable, "-c", prelude + textwrap.dedent(body)]
+
+
+def supervise(command: list[str], num_processes: int = 2, **kwargs) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    kwargs.setdefault("grace_period_s", 2.0)
+    code = Supervisor(command, num_processes, out=out, err=err, **kwargs).run()
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_all_exit_zero_with_prefixed_output_and_job_environment():
+    code, out, err = supervise(fake("""
+        print(os.environ['JAXTRAIN_COORDINATOR'], os.environ['JAXTRAIN_NUM_PROCESSES'], PID, ATTEMPT)
+        print('to stderr', file=sys.stderr)
+    """), num_processes=3)
+    assert code == 0, err
+    lines = sorted(out.splitlines())
+    assert [line.split()[0] for line in lines] == ["[p0]", "[p1]", "[p2]"]
+    coordinators = {line.split()[1] for line in lines}
+    assert len(coordinators) == 1 and coordinators.pop().startswith("127.0.0.1:")  # one job, one coordinator
+    assert [line.split()[2:] for line in lines] == [["3", "0", "0"], ["3", "1", "0"], ["3", "2", "0"]]
+    assert sorted(line for line in err.splitlines() if "to stderr" in line) == [
+        "[p0] to stderr", "[p1] to stderr", "[p2] to stderr"]
+
+
+def test_user_error_stops_the_others_and_is_never_restarted(tmp_path):
+    code, _, err = supervise(fake("""
+        if PID == 1:
+            sys.exit(2)
+        time.sleep(60)   # process 0 would run on: the launcher must stop it
+    """), output_dir=tmp_path, max_restarts=3)
+    assert code == 2
+    assert err.count("starting 2 processes") == 1 and "process 1 exited with code 2 (user error)" in err
+    assert read_jsonl(tmp_path / "events.jsonl") == []
+
+
+def test_crash_restarts_the_whole_job_and_logs_a_restart_event(tmp_path):
+    # A previous attempt logged up to step 7; the torn last line of a killed writer is skipped.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 6}\n{"step": 7}\n{"step": 8, "lo')
+    code, out, err = supervise(fake("""
+        if ATTEMPT == 0 and PID == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ATTEMPT == 0:
+            time.sleep(60)  # a survivor stuck on its dead peer: stopped by the launcher
+        print('attempt', ATTEMPT, 'port', os.environ['JAXTRAIN_COORDINATOR'])
+    """), output_dir=tmp_path, max_restarts=1)
+    assert code == 0, err
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["kind"] == "restart" and event["attempt"] == 1 and event["step"] == 7
+    assert event["process"] == 1 and event["signal"] == "SIGKILL" and "process 1 killed by SIGKILL" in event["reason"]
+    assert set(out.split()) >= {"[p0]", "[p1]", "attempt", "1"}
+
+
+def test_restarts_are_bounded_and_each_attempt_gets_a_new_port(tmp_path):
+    code, out, err = supervise(fake("""
+        if PID == 0:
+            print(os.environ['JAXTRAIN_COORDINATOR'])
+            sys.exit(75)
+    """), output_dir=tmp_path, max_restarts=2)
+    assert code == 75  # the last failure's code: an outer scheduler may restart us in turn
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [e["attempt"] for e in events] == [1, 2] and all(e["exit_code"] == 75 for e in events)
+    assert "restart requested" in events[0]["reason"] and events[0]["step"] == -1  # no metrics yet
+    assert len(set(out.split())) == 1 + 3  # "[p0]" and three different coordinator addresses
+    assert "no restarts left" in err
+
+
+def test_a_fixed_port_counts_up_per_attempt():
+    code, out, _ = supervise(fake("""
+        if PID == 0:
+            print(os.environ['JAXTRAIN_COORDINATOR'])
+        sys.exit(1 if ATTEMPT == 0 else 0)
+    """), port=23456, max_restarts=1)
+    assert code == 0 and out.split()[1::2] == ["127.0.0.1:23456", "127.0.0.1:23457"]
+
+
+def test_process_that_ignores_sigterm_is_killed_after_the_grace_period():
+    t = time.monotonic()
+    code, _, err = supervise(fake("""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like a JAX process: SIGTERM is only noted
+        if PID == 1:
+            sys.exit(1)
+        time.sleep(60)
+    """), max_restarts=0, grace_period_s=0.5)
+    assert code == 1 and "sending SIGKILL" in err and time.monotonic() - t < 20
+
+
+LAUNCHER = textwrap.dedent("""
+    import sys
+    from jaxtrain.launch import Supervisor
+    sys.exit(Supervisor(sys.argv[1:], 2, grace_period_s=10).run())
+""")
+
+
+def test_sigterm_is_forwarded_and_the_job_is_not_restarted():
+    # Children that save and ask to be restarted on SIGTERM (what a preempted trainer does).
+    child = fake("""
+        def on_term(signum, frame):
+            print('saving', flush=True)
+            sys.exit(75)
+        signal.signal(signal.SIGTERM, on_term)
+        print('ready', flush=True)
+        time.sleep(60)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *child], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    ready = 0
+    while ready < 2:  # both children have installed their handler
+        ready += "ready" in launcher.stdout.readline()
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 75, err
+    assert out.count("saving") == 2 and "received SIGTERM" in err and "attempt 1" not in err
+
+
+def test_last_logged_step_without_metrics(tmp_path):
+    assert last_logged_step(tmp_path) == -1 and last_logged_step(None) == -1
+
+
+# ----------------------------------------------------------------------------- the CLI verb
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-processes", "2"], "expected `jaxtrain launch"),
+    (["--num-processes", "2", "--", "inspect", "--config", str(TINY)], "expected `jaxtrain launch"),
+    (["--num-processes", "2", "--cpu-devices", "2", "--", "train", "--config", str(TINY), "--cpu-devices", "2"],
+     "given both"),
+    (["--num-processes", "2", "--", "train", "--config", "missing.yaml"], "does not exist"),
+    (["--num-processes", "2", "--", "train", "--config", str(TINY), "train.stepz=3"], "train.stepz"),
+    (["--num-processes", "0", "--", "train", "--config", str(TINY)], "at least 1"),
+])
+def test_bad_launch_arguments_are_user_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        main(argv)
+
+
+def test_bad_launch_option_exits_2_via_the_cli():
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "two", "--", "train"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--num-processes" in r.stderr
+
+
+def test_the_launcher_never_imports_jax():
+    code = "import sys, jaxtrain.cli, jaxtrain.launch; assert 'jax' not in sys.modules, 'jax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def child_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for launched trainers: CPU, devices from --cpu-devices only, a shared XLA cache.
+
+    conftest.py gives this pytest process 8 simulated devices through XLA_FLAGS; children must not
+    inherit that. The persistent compilation cache lets later runs (and restarts) skip compiling.
+    """
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",  # as conftest does in-process
+                "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla_cache")),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "PYTHONPATH": os.pathsep.join(sys.path)})
+    return env
+
+
+def launch(env: dict[str, str], cwd: Path, *args: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    cache = ["checkpoint.compilation_cache_dir=" + env["JAX_COMPILATION_CACHE_DIR"]]
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", *args, "--", "train", "--config", str(TINY),
+                           *TINY_OVERRIDES, *cache, *overrides],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_train_as_one_job(tmp_path, child_env):
+    out = tmp_path / "run"
+    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2", overrides=[f"run.output_dir={out}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    start = read_jsonl(out / "events.jsonl")[0]
+    assert start["kind"] == "start" and start["devices"] == 4 and start["processes"] == 2
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert read_jsonl(out / "events.jsonl")[-1]["kind"] == "done"
+    assert "[p0]" in r.stdout + r.stderr and "[p1]" in r.stdout + r.stderr
+
+
+@pytest.mark.multiprocess
+def test_user_error_in_a_process_exits_2_without_restart(tmp_path, child_env):
+    out = tmp_path / "run"
+    # mesh.data=3 passes phase 1 but cannot fit 4 devices: each process exits 2 after distributed init.
+    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2", "--max-restarts", "3",
+               overrides=[f"run.output_dir={out}", "mesh.data=3"])
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "mesh" in r.stderr and "(user error)" in r.stderr and r.stderr.count("starting 2 processes") == 1
+    assert not (out / "events.jsonl").exists()  # nothing written for a user error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_killed_process_restarts_the_job(tmp_path, child_env):
+    """chaos.kill_at_step SIGKILLs process 1 after step 2. The trainer fires chaos only on the first
+    attempt (JAXTRAIN_RESTART_ATTEMPT=0), so the restarted job runs to the end."""
+    out = tmp_path / "run"
+    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2", "--max-restarts", "1",
+               "--grace-period-s", "2", overrides=[f"run.output_dir={out}", "chaos.kill_at_step=2", "chaos.kill_process=1"])
+    events = read_jsonl(out / "events.jsonl")
+    restarts = [e for e in events if e["kind"] == "restart"]
+    assert len(restarts) >= 1, r.stderr[-3000:]
+    assert restarts[0]["attempt"] == 1 and restarts[0]["process"] == 1 and restarts[0]["signal"] == "SIGKILL"
+    assert restarts[0]["step"] >= 1  # read from metrics.jsonl, which the first attempt wrote
+    assert r.returncode == 0, "the restarted job died again; does the trainer skip chaos when " \
+                              f"{RESTART_ATTEMPT_ENV} > 0?\n" + r.stderr[-3000:]
+    assert events[-1]["kind"] == "done" and events[-1]["step"] == 4
