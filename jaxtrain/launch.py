@@ -75,7 +75,11 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def last_logged_step(output_dir: Path | None) -> int:
+def _is_remote(output_dir: str | Path) -> bool:
+    return "://" in str(output_dir)  # gs://bucket/run and the like: not a local path
+
+
+def last_logged_step(output_dir: str | Path | None) -> int:
     """The step of the last complete line of <output_dir>/metrics.jsonl, or -1 when there is none.
 
     Args:
@@ -84,7 +88,7 @@ def last_logged_step(output_dir: Path | None) -> int:
       The last logged step, or -1. Reads only the file's tail: metrics files of long runs are large,
       and a process killed mid-write may leave a torn last line, which is skipped.
     """
-    if output_dir is None:
+    if output_dir is None or _is_remote(output_dir):
         return -1
     path = Path(output_dir) / "metrics.jsonl"
     try:
@@ -102,7 +106,7 @@ def last_logged_step(output_dir: Path | None) -> int:
     return -1
 
 
-def append_event(output_dir: Path | None, kind: str, step: int, **details: object) -> None:
+def append_event(output_dir: str | Path | None, kind: str, step: int, **details: object) -> None:
     """Append one event line (same shape as the trainer's: time, step, kind, details) to events.jsonl.
 
     Only called while no child runs, so the launcher is never a second concurrent writer.
@@ -113,8 +117,8 @@ def append_event(output_dir: Path | None, kind: str, step: int, **details: objec
       step: the step the event refers to (-1 if unknown).
       details: more JSON-serializable fields.
     """
-    if output_dir is None:
-        return
+    if output_dir is None or _is_remote(output_dir):
+        return  # gs://... run directories: the trainer's own events are there; we only log to stderr
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     record = {"time": time.time(), "step": int(step), "kind": kind, **details}
     with open(Path(output_dir) / "events.jsonl", "a") as f:
@@ -173,7 +177,7 @@ class Supervisor:
             raise ConfigError(f"--max-restarts must be 0 or more, got {max_restarts}")
         self.command = list(command)
         self.num_processes = num_processes
-        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.output_dir = output_dir  # kept as given: Path() would mangle gs://...
         self.max_restarts = max_restarts
         self.port = port
         self.grace_period_s = grace_period_s
