@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+_STARTED_AT = time.time()  # before JAX is imported: restart_to_first_step_s counts from here
 
 from jaxtrain.config import ConfigError
 
@@ -36,12 +39,13 @@ def _train(args: argparse.Namespace) -> int:
     from jaxtrain import distributed
     distributed.initialize()
     from jaxtrain.trainer import Trainer
-    trainer = Trainer(cfg, console=sys.stdout if sys.stdout.isatty() or args.progress else None)
+    trainer = Trainer(cfg, console=sys.stdout if sys.stdout.isatty() or args.progress else None,
+                      started_at=_STARTED_AT)
     try:
         summary = trainer.fit()
     finally:
         trainer.close()
-    return summary.get("exit_code", EXIT_OK)
+    return summary["exit_code"]
 
 
 def _inspect(args: argparse.Namespace) -> int:

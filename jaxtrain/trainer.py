@@ -13,6 +13,7 @@ into those shardings -> compile the step once -> loop.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kernels
 from jaxtrain import __version__
+from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only, to_path
 from jaxtrain.config import Config, ConfigError, save_config
 from jaxtrain.data import build_eval_data, build_train_data
 from jaxtrain.mesh import build_mesh, validate_against_devices
@@ -39,6 +41,7 @@ from jaxtrain.sharding import batch_sharding, global_batch, param_shardings
 from jaxtrain.step import compute_dtype, make_eval_step, make_optimizer, make_train_step
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+EXIT_RESTART = 75  # "restart me": preempted after an emergency checkpoint
 
 
 def check_attention_available(cfg: Config, platform: str) -> str:
@@ -53,14 +56,18 @@ class Trainer:
     """One training run. Construction validates, builds the sharded state and compiles the step."""
 
     def __init__(self, cfg: Config, *, console: IO[str] | None = None, write_files: bool = True,
-                 devices: list[jax.Device] | None = None):
+                 devices: list[jax.Device] | None = None, started_at: float | None = None):
         """Args:
           cfg: the validated config.
           console: where the live progress line goes (None: nowhere).
           write_files: False keeps the run directory untouched (notebooks, tests).
           devices: the devices to build the mesh on (default: all of the job's devices).
+          started_at: wall time the process started (for restart_to_first_step_s).
         """
         self.cfg = cfg
+        self._started_at = started_at if started_at is not None else time.time()
+        # Before the first jit: a restarted run loads its compiled step instead of recompiling.
+        enable_compilation_cache(cfg.checkpoint.compilation_cache_dir)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         devices = list(devices) if devices is not None else jax.devices()
         # Phase-2 validation: needs the device count, runs before anything is written.
@@ -94,35 +101,72 @@ class Trainer:
 
         # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
         self.data = build_train_data(cfg, self.process_index, self.process_count)
-        self.state = self._init_state()
         self.compiled_step = None  # compiled on first use (see _compile)
 
+        # Restore or init, in this order: (1) this run's own latest good checkpoint, (2) the
+        # parameters of checkpoint.init_from, (3) fresh. Both restores go straight into the
+        # shardings above; a mismatched checkpoint is a ConfigError raised before we write.
         self.output_dir = Path(cfg.run.output_dir)
+        self._events: list[tuple[str, int, dict]] = []  # events raised before the log exists
+        self.checkpointer: Checkpointer | None = None
+        self.resumed_from: int | None = None
+        checkpoint_dir = f"{str(cfg.run.output_dir).rstrip('/')}/checkpoints"
+        if write_files and to_path(checkpoint_dir).exists():
+            self.checkpointer = self._make_checkpointer(checkpoint_dir)
+            latest = self.checkpointer.latest_step()
+            if latest is not None:
+                self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
+                self.data.set_state(extra["data"])
+                self.resumed_from = latest
+        if self.resumed_from is None:
+            self.state = self._init_state()
+            if cfg.checkpoint.init_from:
+                params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
+                self.state = {**self.state, "params": params}
+                self._events.append(("init_from", 0, {"path": cfg.checkpoint.init_from}))
+
         primary = self.process_index == 0 and write_files
         if primary:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output_dir / "config.yaml")
         self.log = RunLog(str(self.output_dir), console=console, enabled=primary)
+        for kind, step, details in self._events:
+            self.log.event(kind, step, **details)
+        self._events = []
+        if write_files and self.checkpointer is None:
+            self.checkpointer = self._make_checkpointer(checkpoint_dir)
         self.flops_per_step = flops_per_step(cfg)
         self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
         self._pending: tuple[int, dict, float] | None = None  # last step's device metrics, read one step late
         self._host_step = self.step_count
         self._last_log = (self._host_step, time.perf_counter())
+        self._stop_requested = False
 
     # ------------------------------------------------------------------ building
 
+    def _init_fn(self) -> dict:
+        cfg = self.cfg
+        model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.run.seed), dtype=compute_dtype(cfg))
+        params = nnx.to_pure_dict(nnx.state(model))
+        return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
+                "rng": jax.random.key_data(jax.random.key(cfg.run.seed))}
+
     def _init_state(self) -> dict:
-        cfg, graphdef = self.cfg, self.graphdef
-        dtype = compute_dtype(cfg)
-
-        def init() -> dict:
-            model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.run.seed), dtype=dtype)
-            params = nnx.to_pure_dict(nnx.state(model))
-            return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
-                    "rng": jax.random.key_data(jax.random.key(cfg.run.seed))}
-
         # Built directly in its shardings: no device ever holds the whole model.
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        return jax.jit(self._init_fn, out_shardings=self.state_shardings)()
+
+    def abstract_state(self) -> dict:
+        """Shapes, dtypes and shardings of the train state, without allocating it."""
+        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      jax.eval_shape(self._init_fn), self.state_shardings)
+
+    def _make_checkpointer(self, directory: str) -> Checkpointer:
+        def on_event(kind: str, step: int, **details: Any) -> None:
+            if getattr(self, "log", None) is None:
+                self._events.append((kind, step, details))
+            else:
+                self.log.event(kind, step, **details)
+        return Checkpointer(directory, self.cfg.checkpoint, on_event=on_event)
 
     def _abstract_batch(self) -> dict:
         d = self.cfg.data
@@ -137,9 +181,7 @@ class Trainer:
         jitted = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
                          out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         t = time.perf_counter()
-        abstract_state = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.state_shardings)
-        self.lowered_step = jitted.lower(abstract_state, self._abstract_batch())
+        self.lowered_step = jitted.lower(self.abstract_state(), self._abstract_batch())
         self.compiled_step = self.lowered_step.compile()
         self.compile_s = time.perf_counter() - t
 
@@ -229,7 +271,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
-        """Train until train.steps. Returns a summary (final step, last logged loss)."""
+        """Train until train.steps (or a preemption signal). Returns {"step", "exit_code"}."""
         cfg = self.cfg
         start = self._host_step
         if self.compiled_step is None:
@@ -239,18 +281,102 @@ class Trainer:
                        compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
         self._last_log = (start, time.perf_counter())
-        while self._host_step < cfg.train.steps:
-            self._flush_pending(force=False)
-            step = self._dispatch()
-            if step == cfg.chaos.kill_at_step and self.process_index == cfg.chaos.kill_process:
-                jax.block_until_ready(self.state)
-                os.kill(os.getpid(), signal.SIGKILL)  # fault drill: die without any cleanup
-        self._flush_pending(force=True)
+        # Fault drills fire on the first attempt only; `jaxtrain launch` counts restarts.
+        chaos_on = int(os.environ.get("JAXTRAIN_RESTART_ATTEMPT", "0")) == 0
+        stop = False
+        with _PreemptionSignals(self):
+            while self._host_step < cfg.train.steps and not stop:
+                self._flush_pending(force=False)
+                step = self._dispatch()
+                if step == start + 1 and self.resumed_from is not None:
+                    jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
+                    self.log.event("resume", self.resumed_from, restored_step=self.resumed_from,
+                                   restart_to_first_step_s=round(time.time() - self._started_at, 3),
+                                   compile_s=round(self.compile_s, 3))
+                if chaos_on and step == cfg.chaos.kill_at_step and self.process_index == cfg.chaos.kill_process:
+                    jax.block_until_ready(self.state)
+                    os.kill(os.getpid(), signal.SIGKILL)  # fault drill: die without any cleanup
+                stop = self._agreed_stop()
+                self._maybe_save(step, last=step == cfg.train.steps, force=stop)
+            self._flush_pending(force=True)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # the last checkpoint is committed before we report done
         jax.block_until_ready(self.state)
-        self.log.event("done", self.step_count)
-        return {"step": self.step_count}
+        if stop:
+            self.log.event("preempted", self._host_step, exit_code=EXIT_RESTART)
+            return {"step": self._host_step, "exit_code": EXIT_RESTART}
+        self.log.event("done", self._host_step)
+        return {"step": self._host_step, "exit_code": 0}
+
+    def _maybe_save(self, step: int, *, last: bool, force: bool = False) -> None:
+        if self.checkpointer is None:
+            return
+        if self.checkpointer.should_save(step, last=last) or force:
+            extra = {"data": self.data.get_state(), "config": self.cfg.to_dict(),
+                     "metadata": {"time": time.time(), "mesh": self.mesh_sizes, "processes": self.process_count,
+                                  "version": __version__}}
+            self.checkpointer.save(step, self.state, json.loads(json.dumps(extra, default=_plain)))
+
+    def save(self) -> None:
+        """Checkpoint the current state now (notebooks) and wait until it is committed."""
+        if self.checkpointer is None:
+            raise RuntimeError("this Trainer was built with write_files=False: it has no checkpoint directory")
+        self._maybe_save(self._host_step, last=False, force=True)
+        self.checkpointer.wait()
+
+    def _agreed_stop(self) -> bool:
+        """Whether every process should stop after this step (a preemption signal reached any).
+
+        One process alone: its own flag. Several: each process's flag goes into a tiny global
+        array whose max is read one step late, so all processes stop after the same step
+        without a per-step host barrier.
+        """
+        if self.process_count == 1:
+            return self._stop_requested
+        flags = np.full((len(self.mesh.local_devices),), self._stop_requested, dtype=np.int32)
+        all_devices = NamedSharding(self.mesh, P(self.mesh.axis_names))
+        agreed = jnp.max(jax.make_array_from_process_local_data(all_devices, flags))
+        previous, self._stop_future = getattr(self, "_stop_future", None), agreed
+        return bool(jax.device_get(previous)) if previous is not None else False
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self.checkpointer.close()
+            self.checkpointer = None
         if hasattr(self.data, "close"):
             self.data.close()
         self.log.close()
+
+
+class _PreemptionSignals:
+    """SIGTERM/SIGINT during fit(): finish the step, save an emergency checkpoint, exit 75.
+
+    A second signal gives up waiting (KeyboardInterrupt). Only the main thread can install
+    handlers; elsewhere (a notebook's worker thread) signals keep their default behaviour.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.previous = trainer, {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.trainer._stop_requested:
+            raise KeyboardInterrupt
+        self.trainer._stop_requested = True
+        self.trainer.log.event("signal", self.trainer._host_step, signal=signal.Signals(signum).name)
+
+    def __enter__(self) -> "_PreemptionSignals":
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _plain(x: Any) -> Any:
+    """JSON fallback for numpy scalars in iterator states."""
+    return x.item() if hasattr(x, "item") else str(x)
