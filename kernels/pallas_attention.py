@@ -13,12 +13,19 @@ Layout: kernels see [B, N, Lp, H] so that each tile is a plain 2-D [rows, H] sla
 dims are (sequence, head_dim), which is what TPU tiling wants. The wrapper pads and transposes;
 XLA fuses those copies with their neighbours.
 
+Working set: a forward/dq program holds one q tile and the whole K and V rows of its head
+(2 * Lp * H elements, double-buffered); a dk/dv program the whole q and dO rows. That is 8 MiB of
+VMEM at Lp = 8k, H = 128, bf16, and caps the sequence on TPU near 16k with default limits; longer
+sequences need the kv axis moved into the grid.
+
 GQA: the forward and dq kernels read kv head n // G for q head n through their index maps. The
 dk/dv kernel runs per *query* head and writes [B, N, Lp, H]; the G heads of a group are summed
 afterwards in XLA (as FlashAttention-2 does), which keeps every program independent and its
-working set at one head.
+working set at one head. It works on the transposed tile S^T = K Q^T, so that its three matmuls
+need no in-kernel transpose and lse / D are read as lane-major rows.
 
-On CPU the kernels run with interpret=True (chosen automatically), on TPU compiled by Mosaic.
+On CPU the kernels run with interpret=True (chosen automatically), on TPU compiled by Mosaic. TPU
+wants block sizes that are multiples of 128 (the default); interpret mode takes multiples of 8.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +46,16 @@ DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=128)
 
 # q @ k^T without materialising k^T: contract the last dim of both operands.
 _NT_DIMS = (((1,), (1,)), ((), ()))
+
+
+class _Segments(NamedTuple):
+    """Segment ids [B, Lp] (int32) as columns [B, Lp, 1] and lane-major rows [B, 1, Lp], so each
+    kernel gets the orientation that broadcasts against its tile. All four are free reshapes."""
+
+    q_col: jax.Array
+    kv_row: jax.Array
+    q_row: jax.Array
+    kv_col: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +89,19 @@ def _plan_blocks(seq_len: int, block_sizes: BlockSizes) -> tuple[int, int, int]:
     return bq, bk, -(-seq_len // tile) * tile
 
 
-def _mask(cfg: _Config, q_start, k_start, q_seg, kv_seg):
-    """Boolean [bq, bk] mask of allowed (query, key) pairs for one tile, or None if all are allowed.
+def _mask(cfg: _Config, q_start, k_start, q_seg, kv_seg, *, q_axis: int = 0):
+    """Boolean mask of allowed (query, key) pairs for one tile, or None if all are allowed.
 
-    q_seg is [bq, 1] and kv_seg [1, bk] (or both None): they broadcast to the tile without reshapes.
+    q_axis=0: a [bq, bk] tile with q_seg [bq, 1] and kv_seg [1, bk]; q_axis=1: the transposed
+    [bk, bq] tile of the dk/dv kernel with q_seg [1, bq] and kv_seg [bk, 1]. Either way the ids
+    broadcast to the tile without reshapes.
     """
-    bq, bk = cfg.block_q, cfg.block_kv
+    shape = (cfg.block_q, cfg.block_kv) if q_axis == 0 else (cfg.block_kv, cfg.block_q)
     mask = None
     if cfg.causal or cfg.needs_length_mask:
-        k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
         if cfg.causal:
-            q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+            q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
             mask = q_pos >= k_pos
         if cfg.needs_length_mask:
             in_range = k_pos < cfg.seq_len
@@ -102,13 +122,10 @@ def _num_kv_tiles(cfg: _Config, q_tile):
     return jnp.minimum(total, lax.div((q_tile + 1) * cfg.block_q + cfg.block_kv - 1, cfg.block_kv))
 
 
-def _unpack(refs, n_in: int, has_segments: bool):
-    """Splits a kernel's refs into (inputs, q_seg_ref, kv_seg_ref, rest); the segment refs come
-    right after the first n_in inputs when present."""
-    inputs = refs[:n_in]
-    if has_segments:
-        return inputs, refs[n_in], refs[n_in + 1], refs[n_in + 2:]
-    return inputs, None, None, refs[n_in:]
+def _unpack(refs, n_in: int, n_seg: int):
+    """Splits a kernel's refs into (inputs, segment refs, rest); the n_seg segment-id refs (0 when
+    there are no segment ids) come right after the first n_in inputs."""
+    return refs[:n_in], refs[n_in:n_in + n_seg], refs[n_in + n_seg:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,7 +134,8 @@ def _unpack(refs, n_in: int, has_segments: bool):
 
 
 def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _unpack(refs, 3, has_segments)
+    (q_ref, k_ref, v_ref), seg_refs, (o_ref, lse_ref) = _unpack(refs, 3, 2 if has_segments else 0)
+    q_seg_ref, kv_seg_ref = seg_refs if has_segments else (None, None)
     bq, bk = cfg.block_q, cfg.block_kv
     q_tile = pl.program_id(2)
     q_start = q_tile * bq
@@ -164,20 +182,10 @@ def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
 # ------------------------------------------------------------------------------------------------
 
 
-def _probs_and_dscores(cfg, q_bH, k_kH, v_kH, do_bH, lse_b1, delta_b1, mask):
-    """Recomputes P for one tile from the saved log-sum-exp and returns (P, dS), both [bq, bk] fp32."""
-    s_bk = lax.dot_general(q_bH, k_kH, _NT_DIMS, preferred_element_type=jnp.float32) * cfg.scale
-    p_bk = jnp.exp(s_bk - lse_b1)
-    if mask is not None:
-        # Also zeroes fully masked rows, whose lse is the placeholder 0.
-        p_bk = jnp.where(mask, p_bk, 0.0)
-    dp_bk = lax.dot_general(do_bH, v_kH, _NT_DIMS, preferred_element_type=jnp.float32)
-    return p_bk, p_bk * (dp_bk - delta_b1)
-
-
 def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
     """Grid (B, N, Lp // bq): one q tile against the kv tiles it can see."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, rest = _unpack(refs, 3, has_segments)
+    (q_ref, k_ref, v_ref), seg_refs, rest = _unpack(refs, 3, 2 if has_segments else 0)
+    q_seg_ref, kv_seg_ref = seg_refs if has_segments else (None, None)
     do_ref, lse_ref, delta_ref, dq_ref = rest
     bq, bk = cfg.block_q, cfg.block_kv
     q_tile = pl.program_id(2)
@@ -192,7 +200,13 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
         v_kH = v_ref[pl.ds(k_start, bk), :]
         kv_seg = kv_seg_ref[:, pl.ds(k_start, bk)] if has_segments else None
         mask = _mask(cfg, q_start, k_start, q_seg, kv_seg)
-        _, ds_bk = _probs_and_dscores(cfg, q_bH, k_kH, v_kH, do_bH, lse_b1, delta_b1, mask)
+        s_bk = lax.dot_general(q_bH, k_kH, _NT_DIMS, preferred_element_type=jnp.float32) * cfg.scale
+        p_bk = jnp.exp(s_bk - lse_b1)
+        if mask is not None:
+            # Also zeroes fully masked rows, whose lse is the placeholder 0.
+            p_bk = jnp.where(mask, p_bk, 0.0)
+        dp_bk = lax.dot_general(do_bH, v_kH, _NT_DIMS, preferred_element_type=jnp.float32)
+        ds_bk = p_bk * (dp_bk - delta_b1)
         return dq_bH + jnp.dot(ds_bk.astype(k_kH.dtype), k_kH, preferred_element_type=jnp.float32)
 
     dq_bH = lax.fori_loop(0, _num_kv_tiles(cfg, q_tile), body, jnp.zeros(q_bH.shape, jnp.float32))
@@ -200,25 +214,36 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
 
 
 def _dkv_kernel(*refs, cfg: _Config, has_segments: bool):
-    """Grid (B, N, Lp // bk): one kv tile against the q tiles of query head n that can see it."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, rest = _unpack(refs, 3, has_segments)
-    do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
+    """Grid (B, N, Lp // bk): one kv tile against the q tiles of query head n that can see it.
+
+    Works on the transposed tile, S^T = K Q^T [bk, bq], with lse and D as lane-major rows
+    [1, Lp]: then dV += P^T dO and dK += dS^T Q are plain matmuls, and no transpose is needed.
+    """
+    (q_ref, k_ref, v_ref), seg_refs, rest = _unpack(refs, 3, 2 if has_segments else 0)
+    q_seg_row_ref, kv_seg_col_ref = seg_refs if has_segments else (None, None)
+    do_ref, lse_row_ref, delta_row_ref, dk_ref, dv_ref = rest
     bq, bk = cfg.block_q, cfg.block_kv
     kv_tile = pl.program_id(2)
     k_start = kv_tile * bk
     k_kH, v_kH = k_ref[...], v_ref[...]
-    kv_seg = kv_seg_ref[...] if has_segments else None  # [1, bk]
+    kv_seg = kv_seg_col_ref[...] if has_segments else None  # [bk, 1]
 
     def body(i, carry):
         dk_kH, dv_kH = carry
         q_start = pl.multiple_of(i * bq, bq)
         rows = pl.ds(q_start, bq)
         q_bH, do_bH = q_ref[rows, :], do_ref[rows, :]
-        q_seg = q_seg_ref[rows, :] if has_segments else None
-        mask = _mask(cfg, q_start, k_start, q_seg, kv_seg)
-        p_bk, ds_bk = _probs_and_dscores(cfg, q_bH, k_kH, v_kH, do_bH, lse_ref[rows, :], delta_ref[rows, :], mask)
-        dv_kH = dv_kH + jnp.dot(p_bk.T.astype(do_bH.dtype), do_bH, preferred_element_type=jnp.float32)
-        dk_kH = dk_kH + jnp.dot(ds_bk.T.astype(q_bH.dtype), q_bH, preferred_element_type=jnp.float32)
+        lse_1b, delta_1b = lse_row_ref[:, rows], delta_row_ref[:, rows]
+        q_seg = q_seg_row_ref[:, rows] if has_segments else None  # [1, bq]
+        mask = _mask(cfg, q_start, k_start, q_seg, kv_seg, q_axis=1)
+        st_kb = lax.dot_general(k_kH, q_bH, _NT_DIMS, preferred_element_type=jnp.float32) * cfg.scale
+        pt_kb = jnp.exp(st_kb - lse_1b)
+        if mask is not None:
+            pt_kb = jnp.where(mask, pt_kb, 0.0)
+        dv_kH = dv_kH + jnp.dot(pt_kb.astype(do_bH.dtype), do_bH, preferred_element_type=jnp.float32)
+        dpt_kb = lax.dot_general(v_kH, do_bH, _NT_DIMS, preferred_element_type=jnp.float32)
+        dst_kb = pt_kb * (dpt_kb - delta_1b)
+        dk_kH = dk_kH + jnp.dot(dst_kb.astype(q_bH.dtype), q_bH, preferred_element_type=jnp.float32)
         return dk_kH, dv_kH
 
     # Causal: query rows before this tile's first key never see it. Padded query rows (>= L) are
@@ -286,16 +311,15 @@ def _segment_specs_q_tiled(cfg):
     ]
 
 
-def _fwd_call(cfg: _Config, q, k, v, segs):
-    """q [B, N, Lp, H], k/v [B, K, Lp, H], segs None or (q_seg [B, Lp, 1], kv_seg [B, 1, Lp]).
-    Returns o [B, N, Lp, H] and lse [B, N, Lp, 1] fp32."""
+def _fwd_call(cfg: _Config, q, k, v, segs: _Segments | None):
+    """q [B, N, Lp, H], k/v [B, K, Lp, H]. Returns o [B, N, Lp, H] and lse [B, N, Lp, 1] fp32."""
     B, N, Lp, H = q.shape
     has_segments = segs is not None
     in_specs = [_q_tile_spec(cfg), _kv_whole_spec(cfg), _kv_whole_spec(cfg)]
     args = [q, k, v]
     if has_segments:
         in_specs += _segment_specs_q_tiled(cfg)
-        args += list(segs)
+        args += [segs.q_col, segs.kv_row]
     row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, n, i: (b, n, i, 0))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, has_segments=has_segments),
@@ -309,7 +333,7 @@ def _fwd_call(cfg: _Config, q, k, v, segs):
     )(*args)
 
 
-def _bwd_call(cfg: _Config, q, k, v, segs, o, lse, do):
+def _bwd_call(cfg: _Config, q, k, v, segs: _Segments | None, o, lse, do):
     """Returns dq [B, N, Lp, H], dk and dv [B, K, Lp, H] for the padded layout."""
     B, N, Lp, H = q.shape
     K = k.shape[1]
@@ -324,7 +348,7 @@ def _bwd_call(cfg: _Config, q, k, v, segs, o, lse, do):
     args = [q, k, v]
     if has_segments:
         in_specs += _segment_specs_q_tiled(cfg)
-        args += list(segs)
+        args += [segs.q_col, segs.kv_row]
     in_specs += [_q_tile_spec(cfg), row_spec, row_spec]
     args += [do, lse, delta]
     dq = pl.pallas_call(
@@ -338,21 +362,22 @@ def _bwd_call(cfg: _Config, q, k, v, segs, o, lse, do):
         name="flash_attention_dq",
     )(*args)
 
-    # dk/dv: tiled over kv rows, one program per *query* head; whole q rows of that head.
+    # dk/dv: tiled over kv rows, one program per *query* head; whole q rows of that head, and lse
+    # and D as lane-major rows [B, N, 1, Lp] (the same bytes as [B, N, Lp, 1]: a free reshape).
     q_whole = pl.BlockSpec((None, None, Lp, H), lambda b, n, j: (b, n, 0, 0))
-    row_whole = pl.BlockSpec((None, None, Lp, 1), lambda b, n, j: (b, n, 0, 0))
+    row_whole = pl.BlockSpec((None, None, 1, Lp), lambda b, n, j: (b, n, 0, 0))
     kv_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, n // G, j, 0))
     out_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, n, j, 0))
     in_specs = [q_whole, kv_tile, kv_tile]
     args = [q, k, v]
     if has_segments:
         in_specs += [
-            pl.BlockSpec((None, Lp, 1), lambda b, n, j: (b, 0, 0)),
-            pl.BlockSpec((None, 1, cfg.block_kv), lambda b, n, j: (b, 0, j)),
+            pl.BlockSpec((None, 1, Lp), lambda b, n, j: (b, 0, 0)),
+            pl.BlockSpec((None, cfg.block_kv, 1), lambda b, n, j: (b, j, 0)),
         ]
-        args += list(segs)
+        args += [segs.q_row, segs.kv_col]
     in_specs += [q_whole, row_whole, row_whole]
-    args += [do, lse, delta]
+    args += [do, lse.reshape(B, N, 1, Lp), delta.reshape(B, N, 1, Lp)]
     # Per-q-head partial gradients are summed over the group below; keep them fp32 when G > 1.
     part_dtype = jnp.float32 if G > 1 else k.dtype
     dk, dv = pl.pallas_call(
@@ -440,6 +465,6 @@ def pallas_flash_attention(
         # Padded positions get id 0; they are masked by length (keys) or sliced off (queries).
         q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
         kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
-        segs = (q_seg[:, :, None], kv_seg[:, None, :])
+        segs = _Segments(q_seg[:, :, None], kv_seg[:, None, :], q_seg[:, None, :], kv_seg[:, :, None])
     o_BNLH = _flash_padded(cfg, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v), segs)
     return o_BNLH.transpose(0, 2, 1, 3)[:, :L]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,3 +63,19 @@ def assert_close(name: str, actual, expected, tolerance: float) -> None:
     assert np.all(np.isfinite(actual_np)), f"{name}: non-finite values"
     err = relative_error(actual, expected)
     assert err <= tolerance, f"{name}: relative error {err:.3g} > {tolerance:g}"
+
+
+def time_call(fn, *args, warmup: int = 2, iters: int = 10) -> float:
+    """Median wall-clock seconds of `fn(*args)` (already jitted), each call synchronised.
+
+    The first call (compilation) and `warmup` more are not timed.
+    """
+    jax.block_until_ready(fn(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

@@ -22,7 +22,7 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 torch = pytest.importorskip("torch", reason="torch is not installed (test-only: pip install torch==2.13.0, CPU)")
-triton = pytest.importorskip("triton", reason="triton is not installed (test-only: pip install triton)")
+triton = pytest.importorskip("triton", reason="triton is not installed (test-only: pip install triton==3.9.0)")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
