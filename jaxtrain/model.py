@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.sharding import constrain
+from jaxtrain.sharding import constrain, per_shard
 from kernels import flash_attention
 
 # Parameters get logical names as metadata only; shardings are decided by jaxtrain.sharding.
@@ -69,9 +69,19 @@ class Attention(nnx.Module):
         q_BLNH = constrain(rotary(q_BLNH, positions_BL, self.theta), ("batch", "length", "heads", "head_dim"))
         k_BLKH = constrain(rotary(k_BLKH, positions_BL, self.theta), ("batch", "length", "kv_heads", "head_dim"))
         v_BLKH = constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
-        o_BLNH = flash_attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids=segment_ids_BL,
-                                 implementation=self.implementation)
+        o_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
         return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
+
+
+    def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
+        attend = lambda q, k, v, seg: flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                                      implementation=self.implementation)
+        if self.implementation == "xla":
+            return attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)  # plain jnp: XLA partitions it
+        # Kernels are opaque to XLA's partitioner: run them per shard (batch and heads are independent).
+        qkv = ("batch", "length", "heads", "head_dim")
+        kv = ("batch", "length", "kv_heads", "head_dim")
+        return per_shard(attend, (qkv, kv, kv, ("batch", "length")), qkv)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
 
 
 class MLP(nnx.Module):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -83,6 +83,34 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+
+
+def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...]) -> Callable:
+    """Run `fn` on each device's shard (shard_map), with specs from logical names.
+
+    For kernels XLA cannot partition (a `pallas_call` or a Triton custom call): every logical
+    dimension they see must be one they treat independently (batch, heads). A no-op outside
+    `use_rules` or on a single device. `in_names` holds one tuple per argument (None for an
+    argument that is None).
+    """
+    active = _ACTIVE.get()
+    if active is None or active[0].size == 1:
+        return fn
+    mesh, rules = active
+
+    def wrapped(*args):
+        present = [i for i, a in enumerate(args) if a is not None]
+
+        def inner(*shards):
+            full = list(args)
+            for i, x in zip(present, shards):
+                full[i] = x
+            return fn(*full)
+
+        in_specs = tuple(logical_to_spec(in_names[i], rules) for i in present)
+        return jax.shard_map(inner, mesh=mesh, in_specs=in_specs,
+                             out_specs=logical_to_spec(out_names, rules))(*[args[i] for i in present])
+    return wrapped
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:

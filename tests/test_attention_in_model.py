@@ -14,9 +14,9 @@ SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model
          "data.global_batch_size=4", "optim.warmup_steps=0", "mesh.data=1", "checkpoint.compilation_cache_dir=null"]
 
 
-def one_step(attention: str):
-    trainer = Trainer(load_config(None, SMALL + [f"model.attention={attention}"]), write_files=False,
-                      devices=jax.devices()[:1])
+def one_step(attention: str, mesh: tuple[str, ...] = (), devices: int = 1):
+    trainer = Trainer(load_config(None, SMALL + [f"model.attention={attention}", *mesh]), write_files=False,
+                      devices=jax.devices()[:devices])
     # Packed rows: a document boundary mid-block (position 10), so the kernel's segment masking
     # and per-document positions are exercised, not just the causal mask.
     batch = next(trainer.data)
@@ -38,3 +38,10 @@ def test_unavailable_attention_is_a_config_error():
     cfg = load_config(None, SMALL + ["model.attention=triton"])
     with pytest.raises(ConfigError, match="model.attention=triton"):
         check_attention_available(cfg, "cpu")
+
+
+def test_pallas_under_data_and_tensor_parallelism_equals_single_device_xla():
+    """Kernels run per shard (shard_map): 2-way data x 2-way tensor gives the one-device answer."""
+    (m_x, p_x), (m_p, p_p) = one_step("xla"), one_step("pallas", ("mesh.data=2", "mesh.tensor=2"), devices=4)
+    assert abs(m_p["loss"] - m_x["loss"]) <= 1e-5 * abs(m_x["loss"])
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_p, p_x)
