@@ -79,18 +79,9 @@ def _is_remote(output_dir: str | Path) -> bool:
     return "://" in str(output_dir)  # gs://bucket/run and the like: not a local path
 
 
-def last_logged_step(output_dir: str | Path | None) -> int:
-    """The step of the last complete line of <output_dir>/metrics.jsonl, or -1 when there is none.
-
-    Args:
-      output_dir: the run directory (None: unknown).
-    Returns:
-      The last logged step, or -1. Reads only the file's tail: metrics files of long runs are large,
-      and a process killed mid-write may leave a torn last line, which is skipped.
-    """
-    if output_dir is None or _is_remote(output_dir):
-        return -1
-    path = Path(output_dir) / "metrics.jsonl"
+def _last_step_in(path: Path) -> int:
+    # Only the file's tail: run files of long runs are large. A process killed mid-write may leave
+    # a torn last line, which is skipped.
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -104,6 +95,20 @@ def last_logged_step(output_dir: str | Path | None) -> int:
         except (ValueError, KeyError, TypeError):
             continue  # torn or foreign line: look further back
     return -1
+
+
+def last_known_step(output_dir: str | Path | None) -> int:
+    """The last step the run recorded: the later of metrics.jsonl's and events.jsonl's last lines.
+
+    Args:
+      output_dir: the run directory (None: unknown).
+    Returns:
+      That step, or -1 when nothing was recorded (or the directory is remote). Metrics are logged
+      every train.log_every steps, events such as checkpoint_saved in between: either may be later.
+    """
+    if output_dir is None or _is_remote(output_dir):
+        return -1
+    return max(_last_step_in(Path(output_dir) / "metrics.jsonl"), _last_step_in(Path(output_dir) / "events.jsonl"))
 
 
 def append_event(output_dir: str | Path | None, kind: str, step: int, **details: object) -> None:
@@ -345,7 +350,7 @@ class Supervisor:
                 self.say(f"{reason}; no restarts left (--max-restarts {self.max_restarts}): giving up")
                 return code if code > 0 else 128 - code
             attempt += 1
-            append_event(self.output_dir, "restart", last_logged_step(self.output_dir), attempt=attempt,
+            append_event(self.output_dir, "restart", last_known_step(self.output_dir), attempt=attempt,
                          max_restarts=self.max_restarts, process=proc, exit_code=code if code >= 0 else None,
                          signal=signal.Signals(-code).name if code < 0 else None, reason=reason)
             self.say(f"{reason}: restarting the job (restart {attempt} of {self.max_restarts})")

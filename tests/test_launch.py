@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain.config import ConfigError
-from jaxtrain.launch import RESTART_ATTEMPT_ENV, Supervisor, last_logged_step, main
+from jaxtrain.launch import RESTART_ATTEMPT_ENV, Supervisor, last_known_step, main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs/tiny.yaml"
@@ -80,6 +80,7 @@ def test_user_error_stops_the_others_and_is_never_restarted(tmp_path):
 def test_crash_restarts_the_whole_job_and_logs_a_restart_event(tmp_path):
     # A previous attempt logged up to step 7; the torn last line of a killed writer is skipped.
     (tmp_path / "metrics.jsonl").write_text('{"step": 6}\n{"step": 7}\n{"step": 8, "lo')
+    (tmp_path / "events.jsonl").write_text('{"step": 0, "kind": "start"}\n{"step": 5, "kind": "checkpoint_saved"}\n')
     code, out, err = supervise(fake("""
         if ATTEMPT == 0 and PID == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -88,7 +89,7 @@ def test_crash_restarts_the_whole_job_and_logs_a_restart_event(tmp_path):
         print('attempt', ATTEMPT, 'port', os.environ['JAXTRAIN_COORDINATOR'])
     """), output_dir=tmp_path, max_restarts=1)
     assert code == 0, err
-    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    *_, event = read_jsonl(tmp_path / "events.jsonl")
     assert event["kind"] == "restart" and event["attempt"] == 1 and event["step"] == 7
     assert event["process"] == 1 and event["signal"] == "SIGKILL" and "process 1 killed by SIGKILL" in event["reason"]
     assert set(out.split()) >= {"[p0]", "[p1]", "attempt", "1"}
@@ -156,8 +157,12 @@ def test_sigterm_is_forwarded_and_the_job_is_not_restarted():
     assert out.count("saving") == 2 and "received SIGTERM" in err and "attempt 1" not in err
 
 
-def test_last_logged_step_without_metrics(tmp_path):
-    assert last_logged_step(tmp_path) == -1 and last_logged_step(None) == -1
+def test_last_known_step(tmp_path):
+    assert last_known_step(tmp_path) == -1 and last_known_step(None) == -1 and last_known_step("gs://b/run") == -1
+    # metrics are logged every log_every steps; a checkpoint event may be later
+    (tmp_path / "metrics.jsonl").write_text('{"step": 20}\n')
+    (tmp_path / "events.jsonl").write_text('{"step": 0, "kind": "start"}\n{"step": 25, "kind": "checkpoint_saved"}\n')
+    assert last_known_step(tmp_path) == 25
 
 
 # ----------------------------------------------------------------------------- the CLI verb
@@ -249,7 +254,7 @@ def test_killed_process_restarts_the_job(tmp_path, child_env):
     restarts = [e for e in events if e["kind"] == "restart"]
     assert len(restarts) >= 1, r.stderr[-3000:]
     assert restarts[0]["attempt"] == 1 and restarts[0]["process"] == 1 and restarts[0]["signal"] == "SIGKILL"
-    assert restarts[0]["step"] >= 1  # read from metrics.jsonl, which the first attempt wrote
+    assert restarts[0]["step"] >= 1  # the last step the first attempt recorded
     assert r.returncode == 0, "the restarted job died again; does the trainer skip chaos when " \
                               f"{RESTART_ATTEMPT_ENV} > 0?\n" + r.stderr[-3000:]
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 4
