@@ -7,16 +7,18 @@
 #   # = pip install -e '.[gpu]'   (jax[cuda12] with its CUDA wheels, jax-triton, triton)
 #
 # Offline (the lent H200 machine: Python 3.12 with jax 0.11.2 for CUDA 13, flax, optax, orbax,
-# tensorstore and triton 3.6 preinstalled, no network, no jax-triton; see DESIGN.md §6):
-#   # 1. here, with network: put wheels into the checkout (jax-triton is pure Python)
-#   tpu_gpu_setup/gpu/install.sh --download-wheels wheels/
-#   #    more wheels for the Python 3.12 target if its check (below) says they are missing, e.g.:
-#   EXTRA_WHEELS="grain tokenizers tensorboardX" tpu_gpu_setup/gpu/install.sh --download-wheels wheels/
-#   # 2. there (wheels/ travels with the working tree):
-#   tpu_gpu_setup/gpu/install.sh --offline wheels/
-#   # = pip install --no-deps --no-index wheels/*.whl, then jaxtrain itself without dependencies:
-#   #   --no-deps keeps the preinstalled CUDA 13 jax (the `gpu` extra would ask for jax[cuda12]).
-#   # A system Python that refuses pip (externally-managed-environment): PIP_BREAK_SYSTEM_PACKAGES=1.
+# tensorstore and triton 3.6 preinstalled, no network, no jax-triton; see DESIGN.md §6 and
+# check_attention.md beside this file, which uses the same .whl/ directory):
+#   # 1. here, with network, in the checkout (.whl/ is git-ignored locally; carry it to the machine):
+#   echo /.whl/ >> .git/info/exclude
+#   tpu_gpu_setup/gpu/install.sh --download-wheels          # jax-triton 0.3.1, pure Python
+#   #    more wheels for the Python 3.12 target if the check below reports them missing, e.g.:
+#   EXTRA_WHEELS="grain tokenizers tensorboardX" tpu_gpu_setup/gpu/install.sh --download-wheels
+#   # 2. there, from the checkout: wheels into $SITE (default /tmp/site), nothing else installed;
+#   #    the preinstalled CUDA 13 jax stays (the `gpu` extra would ask for jax[cuda12]):
+#   tpu_gpu_setup/gpu/install.sh --offline
+#   export PYTHONPATH=/tmp/site:$PWD                          # as the script prints
+#   python3 -m jaxtrain.cli train --config configs/llama3-1b.yaml
 #
 # Both end with a check of every runtime import and the devices JAX sees. Then:
 #   python3 tpu_gpu_setup/gpu/check_attention.py --quick    # the attention kernels on this GPU
@@ -26,9 +28,9 @@ PY=${PYTHON:-python3}
 
 case "${1:-}" in
   --download-wheels)
-    dest=${2:?usage: install.sh --download-wheels DIR}
+    dest=${2:-.whl}
     mkdir -p "$dest"
-    "$PY" -m pip download --no-deps --only-binary=:all: -d "$dest" jax-triton
+    "$PY" -m pip download --no-deps --only-binary=:all: -d "$dest" jax-triton==0.3.1
     if [[ -n "${EXTRA_WHEELS:-}" ]]; then
       # Binary wheels for the target machine's Python, whatever Python runs this script.
       # shellcheck disable=SC2086
@@ -38,22 +40,20 @@ case "${1:-}" in
     ls -l "$dest"
     exit 0 ;;
   --offline)
-    wheels=${2:?usage: install.sh --offline DIR}
+    wheels=${2:-.whl}
+    SITE=${SITE:-/tmp/site}
     shopt -s nullglob
     whl=("$wheels"/*.whl)
-    (( ${#whl[@]} )) && "$PY" -m pip install --no-deps --no-index "${whl[@]}"
-    # jaxtrain itself. An editable install needs setuptools>=68 and wheel already present (no
-    # network for build isolation); failing that, a .pth file puts the checkout on sys.path (then
-    # use `python3 -m jaxtrain.cli ...` since no `jaxtrain` script is installed).
-    if ! "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . >/tmp/jaxtrain-pip.log 2>&1; then
-      purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-      echo "$PWD" > "$purelib/jaxtrain-checkout.pth"
-      echo "install.sh: pip install -e . failed (/tmp/jaxtrain-pip.log); wrote $purelib/jaxtrain-checkout.pth instead"
-    fi ;;
+    (( ${#whl[@]} )) || { echo "install.sh: no wheels in $wheels (run --download-wheels first)" >&2; exit 2; }
+    # --target: no write to the system Python (often externally managed), no dependency resolution.
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${whl[@]}"
+    # jaxtrain and kernels run from the checkout itself.
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "install.sh: now run: export PYTHONPATH=$SITE:$PWD; python3 -m jaxtrain.cli ..." ;;
   "")
     "$PY" -m pip install -e '.[gpu]' ;;
   *)
-    echo "usage: install.sh [--download-wheels DIR | --offline DIR]" >&2
+    echo "usage: install.sh [--download-wheels [DIR] | --offline [DIR]]   (DIR default .whl)" >&2
     exit 2 ;;
 esac
 
