@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import jax
+import jax.numpy as jnp
 
 from kernels.common import BlockSizes, check_attention_inputs
 from kernels.reference import mha_reference
@@ -139,6 +140,8 @@ def flash_attention(
     """
     check_attention_inputs(q, k, v, segment_ids)
     name = resolve_implementation(implementation)
+    if implementation == "auto" and name == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        name = "xla"  # cuDNN attention has no fp32 path; an explicit "cudnn" still fails loudly
     if name == "xla":
         return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
     if name == "pallas":

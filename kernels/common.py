@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 # Scores of masked positions. Finite (not -inf) so that `s - max(s)` of a fully masked row is 0,
 # never inf - inf = NaN; masked probabilities are then zeroed explicitly.
@@ -64,8 +65,11 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         raise ValueError(f"q heads ({N}) must be a multiple of kv heads ({K})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if segment_ids is not None and tuple(segment_ids.shape) != (B, L):
-        raise ValueError(f"segment_ids must be [batch, seq] = [{B}, {L}]; got {tuple(segment_ids.shape)}")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (B, L):
+            raise ValueError(f"segment_ids must be [batch, seq] = [{B}, {L}]; got {tuple(segment_ids.shape)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -300,7 +300,7 @@ def _q_tile_spec(cfg):
 
 def _kv_whole_spec(cfg):
     G = cfg.groups
-    return pl.BlockSpec((None, None, cfg.padded_len, cfg.head_dim), lambda b, n, i: (b, n // G, 0, 0))
+    return pl.BlockSpec((None, None, cfg.padded_len, cfg.head_dim), lambda b, n, i: (b, lax.div(n, G), 0, 0))
 
 
 def _segment_specs_q_tiled(cfg):
@@ -366,7 +366,7 @@ def _bwd_call(cfg: _Config, q, k, v, segs: _Segments | None, o, lse, do):
     # and D as lane-major rows [B, N, 1, Lp] (the same bytes as [B, N, Lp, 1]: a free reshape).
     q_whole = pl.BlockSpec((None, None, Lp, H), lambda b, n, j: (b, n, 0, 0))
     row_whole = pl.BlockSpec((None, None, 1, Lp), lambda b, n, j: (b, n, 0, 0))
-    kv_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, n // G, j, 0))
+    kv_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, lax.div(n, G), j, 0))
     out_tile = pl.BlockSpec((None, None, cfg.block_kv, H), lambda b, n, j: (b, n, j, 0))
     in_specs = [q_whole, kv_tile, kv_tile]
     args = [q, k, v]

@@ -316,8 +316,39 @@ def launch_plan(
         UPCAST_DOT=bool(triton.knobs.runtime.interpret) and dtype_name != "float32",
     )
     num_warps = 4 if H <= 64 else 8
-    num_stages = 3 if kind == "fwd" else 2
+    # Three stages of fp32 k/v tiles would fill Hopper's 227 KiB of shared memory.
+    num_stages = 3 if kind == "fwd" and dtype_name != "float32" else 2
     return LaunchPlan(grid=(tiles, B * N), scalars=scalars, meta=meta, num_warps=num_warps, num_stages=num_stages)
+
+
+_POINTER_TYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+def aot_compile(kind: str, q_shape, kv_heads: int, dtype_name: str, *, causal: bool, has_segments: bool,
+                block_sizes=None, arch: int = 90):
+    """Compiles one kernel for an NVIDIA GPU of compute capability `arch` without needing a GPU.
+
+    Catches lowering errors and reports shared memory (`.metadata.shared`, bytes) on machines
+    without a GPU; tests use it for sm_90 (H100/H200). Must run without TRITON_INTERPRET.
+
+    Returns:
+      The compiled kernel (triton.compiler.CompiledKernel).
+    """
+    from triton.backends.compiler import GPUTarget
+
+    kernel = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkv": _dkv_kernel}[kind]
+    plan = launch_plan(kind, q_shape, kv_heads, dtype_name, causal=causal, has_segments=has_segments,
+                       block_sizes=block_sizes)
+    ptr = _POINTER_TYPES[dtype_name]
+    inputs = [ptr, ptr, ptr, "*i32", "*i32"] + ([] if kind == "fwd" else [ptr, "*fp32", "*fp32"])
+    scalars = ["i32", "i32", "i32", "fp32"] + ["i32"] * 6
+    outputs = {"fwd": [ptr, "*fp32"], "dq": [ptr], "dkv": ["*fp32", "*fp32"]}[kind]
+    runtime_names = [n for n in kernel.arg_names if n not in plan.meta]
+    signature = dict(zip(runtime_names, inputs + scalars + outputs))
+    signature.update({name: "constexpr" for name in plan.meta})
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=dict(plan.meta))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": plan.num_warps, "num_stages": plan.num_stages})
 
 
 # ------------------------------------------------------------------------------------------------

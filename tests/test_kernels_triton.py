@@ -145,6 +145,33 @@ def test_triton_fully_masked_rows_are_zero_not_nan():
         np.testing.assert_array_equal(x[:, 16:], 0.0)
 
 
+_AOT_SCRIPT = """
+import json, sys
+from kernels.triton_attention import aot_compile
+shared = {}
+for kind in ("fwd", "dq", "dkv"):
+    kernel = aot_compile(kind, (2, 4096, 16, 128), 4, "bfloat16", causal=True, has_segments=True)
+    shared[kind] = kernel.metadata.shared
+print(json.dumps(shared))
+"""
+
+
+def test_triton_kernels_compile_for_sm90_without_a_gpu():
+    # The real (non-interpreted) compiler path, in a child process without TRITON_INTERPRET:
+    # bf16, head_dim 128, causal, segments, default tiles, down to sm_90 machine code.
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind, nbytes in shared.items():
+        assert 0 < nbytes <= 227 * 1024, (kind, nbytes)  # Hopper's shared memory per block
+
+
 def test_launch_plan_rejects_bad_tiles():
     with pytest.raises(ValueError, match="power of two >= 16"):
         ta.launch_plan("fwd", (1, 64, 2, 16), 1, "float32", causal=True, has_segments=False, block_sizes=(24, 32))
