@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxtrain.config import Config
 from jaxtrain.model import matmul_params
+from jaxtrain.tensorboard import ScalarWriter
 from kernels import attention_flops
 
 # Dense peak FLOP/s per device by device kind: (bf16, fp32). fp32 on GPUs means TF32 tensor cores.
@@ -83,11 +84,7 @@ class RunLog:
             out.mkdir(parents=True, exist_ok=True)
             self._metrics = open(out / "metrics.jsonl", "a", buffering=1)
             self._events = open(out / "events.jsonl", "a", buffering=1)
-            try:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(out / "tensorboard"), flush_secs=10)
-            except ImportError:  # TensorBoard is optional; the jsonl files hold everything
-                self._tb = None
+            self._tb = ScalarWriter(out / "tensorboard")
 
     def event(self, kind: str, step: int, **details: Any) -> None:
         if not self.enabled:
@@ -102,9 +99,10 @@ class RunLog:
             return
         self._metrics.write(json.dumps(record, default=_jsonable) + "\n")
         if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(f"train/{k}", v, record["step"])
+            self._tb.scalars(record["step"], {
+                f"train/{k}": float(v) for k, v in record.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
+            self._tb.flush()
         if self.console is not None:
             line = (f"step {record['step']:>6}  loss {record['loss']:.4f}  "
                     f"tok/s {record['tokens_per_sec']:,.0f}  MFU {100 * record['mfu']:.1f}%")
