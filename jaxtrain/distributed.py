@@ -3,7 +3,9 @@
 Where the coordinates come from, in order:
 1. `JAXTRAIN_COORDINATOR`, `JAXTRAIN_NUM_PROCESSES`, `JAXTRAIN_PROCESS_ID` (set by `jaxtrain launch`
    and by the Kubernetes / TPU VM recipes in tpu_gpu_setup/);
-2. a cluster JAX detects by itself (SLURM `srun`, TPU pods, Open MPI): `jax.distributed.initialize()`;
+2. a cluster JAX detects by itself: SLURM `srun` or Open MPI `mpirun` with more than one task, or
+   any cluster JAX knows (TPU pods, ...) when `JAXTRAIN_AUTO_DISTRIBUTED=1` forces a bare
+   `jax.distributed.initialize()`;
 3. otherwise a single process, no initialization.
 On the CPU the cross-process collectives use gloo.
 """
@@ -26,6 +28,8 @@ def cluster_env() -> dict[str, str | int] | None:
 
 
 def _autodetected_cluster() -> bool:
+    if os.environ.get("JAXTRAIN_AUTO_DISTRIBUTED") == "1":
+        return True
     # SLURM only counts when the job step has more than one task (a plain `salloc` shell has one).
     if int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_STEP_NUM_TASKS", "1"))) > 1:
         return True
@@ -42,7 +46,24 @@ def initialize(timeout_s: int = 300) -> None:
     if explicit is not None:
         jax.distributed.initialize(**explicit, initialization_timeout=timeout_s)
     else:
-        jax.distributed.initialize(initialization_timeout=timeout_s)
+        jax.distributed.initialize(local_device_ids=_slurm_local_device_ids(), initialization_timeout=timeout_s)
+
+
+def _slurm_local_device_ids() -> list[int] | None:
+    """All of the node's GPUs when SLURM runs one task per node.
+
+    JAX's SLURM detection gives each task the single GPU numbered SLURM_LOCALID (right for one
+    task per GPU); with one task per node that would leave all but GPU 0 idle.
+    """
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_NTASKS_PER_NODE", ""))
+    if per_node.split("(")[0] != "1":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        count = len(visible.split(","))
+    else:  # /dev/nvidia0, /dev/nvidia1, ... (not nvidiactl, nvidia-uvm)
+        count = sum(1 for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit())
+    return list(range(count)) if count else None
 
 
 def _has_accelerator_hint() -> bool:

@@ -244,17 +244,26 @@ def test_user_error_in_a_process_exits_2_without_restart(tmp_path, child_env):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_killed_process_restarts_the_job(tmp_path, child_env):
-    """chaos.kill_at_step SIGKILLs process 1 after step 2. The trainer fires chaos only on the first
-    attempt (JAXTRAIN_RESTART_ATTEMPT=0), so the restarted job runs to the end."""
+def test_killed_process_restarts_the_job_from_its_checkpoint(tmp_path, child_env):
+    """2 processes x 4 devices: save, kill, resume. chaos.kill_at_step SIGKILLs process 1 after
+    step 3; the trainer fires chaos only on the first attempt (JAXTRAIN_RESTART_ATTEMPT=0), so the
+    restarted job resumes from the step-2 checkpoint and runs to the end. Saves are synchronous
+    here only so that "step 2 is committed before the kill" is certain."""
     out = tmp_path / "run"
-    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2", "--max-restarts", "1",
-               "--grace-period-s", "2", overrides=[f"run.output_dir={out}", "chaos.kill_at_step=2", "chaos.kill_process=1"])
+    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "4", "--max-restarts", "1",
+               "--grace-period-s", "2",
+               overrides=[f"run.output_dir={out}", "train.steps=6", "checkpoint.every_steps=2",
+                          "checkpoint.async_save=false", "chaos.kill_at_step=3", "chaos.kill_process=1"])
     events = read_jsonl(out / "events.jsonl")
     restarts = [e for e in events if e["kind"] == "restart"]
     assert len(restarts) >= 1, r.stderr[-3000:]
     assert restarts[0]["attempt"] == 1 and restarts[0]["process"] == 1 and restarts[0]["signal"] == "SIGKILL"
-    assert restarts[0]["step"] >= 1  # the last step the first attempt recorded
+    assert restarts[0]["step"] >= 2  # the last step the first attempt recorded
     assert r.returncode == 0, "the restarted job died again; does the trainer skip chaos when " \
                               f"{RESTART_ATTEMPT_ENV} > 0?\n" + r.stderr[-3000:]
-    assert events[-1]["kind"] == "done" and events[-1]["step"] == 4
+    resume = next(e for e in events if e["kind"] == "resume")
+    assert resume["restored_step"] == 2
+    assert events[0]["devices"] == 8 and events[0]["processes"] == 2
+    assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
+    steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert steps[-4:] == [3, 4, 5, 6]  # after the restore every step runs again, none skipped
