@@ -175,7 +175,7 @@ class Trainer:
                                         sharding=self.batch_sharding) for k in BATCH_KEYS}
 
     def _compile(self) -> None:
-        """Compile the step and eval step once, ahead of time, with explicit shardings."""
+        """Compile the train step once, ahead of time, with explicit shardings and donated state."""
         replicated = NamedSharding(self.mesh, P())
         step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules)
         jitted = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
@@ -184,8 +184,6 @@ class Trainer:
         self.lowered_step = jitted.lower(self.abstract_state(), self._abstract_batch())
         self.compiled_step = self.lowered_step.compile()
         self.compile_s = time.perf_counter() - t
-
-
 
     # ------------------------------------------------------------------ stepping
 
@@ -230,23 +228,26 @@ class Trainer:
 
     def step(self) -> dict:
         """Run one step and return its metrics (synchronous: for notebooks and tests)."""
-        self._flush_pending(force=False)
+        self._log_step(self._take_pending(), force=False)
         self._last_log = (self._host_step, time.perf_counter())
         self._dispatch()
-        step, metrics, wait = self._pending
-        self._pending = None
-        return self._record(step, metrics, wait)
+        return self._record(*self._take_pending())
 
-    def _flush_pending(self, force: bool) -> None:
-        """Read the previous step's metrics if it was a log step (one step late: no stall)."""
-        if self._pending is None:
+    def _take_pending(self) -> tuple[int, dict, float] | None:
+        pending, self._pending = self._pending, None
+        return pending
+
+    def _log_step(self, pending: tuple[int, dict, float] | None, force: bool) -> None:
+        """Log a dispatched step's metrics if it is a log step. The loop calls this for step N
+        after queueing step N+1, so reading N's metrics never leaves the device idle."""
+        if pending is None:
             return
-        step, metrics, wait = self._pending
-        self._pending = None
+        step = pending[0]
         if force or step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
-            record = self._record(step, metrics, wait)
+            record = self._record(*pending)
             if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
                 record["eval_loss"] = self.evaluate()
+                self._last_log = (step, time.perf_counter())  # evaluation time is not step time
             self.log.metrics(record)
 
     def evaluate(self, num_batches: int | None = None) -> float | None:
@@ -286,8 +287,9 @@ class Trainer:
         stop = False
         with _PreemptionSignals(self):
             while self._host_step < cfg.train.steps and not stop:
-                self._flush_pending(force=False)
+                previous = self._take_pending()
                 step = self._dispatch()
+                self._log_step(previous, force=False)
                 if step == start + 1 and self.resumed_from is not None:
                     jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
                     self.log.event("resume", self.resumed_from, restored_step=self.resumed_from,
@@ -298,7 +300,7 @@ class Trainer:
                     os.kill(os.getpid(), signal.SIGKILL)  # fault drill: die without any cleanup
                 stop = self._agreed_stop()
                 self._maybe_save(step, last=step == cfg.train.steps, force=stop)
-            self._flush_pending(force=True)
+            self._log_step(self._take_pending(), force=True)
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # the last checkpoint is committed before we report done
         jax.block_until_ready(self.state)
