@@ -140,7 +140,10 @@ class Transformer(nnx.Module):
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(dtype)
+        # Gather the table over fsdp first (as FSDP does for every weight); the lookup then runs
+        # on vocab shards (masked gather + reduce) instead of resharding the whole table.
+        table_VD = constrain(self.embed[...], ("vocab", None))
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
         x_BLD = constrain(x_BLD, ("batch", "length", "act_embed"))
 
         graphdef, layers = nnx.split(self.blocks)

@@ -96,3 +96,13 @@ def test_fsdp8_splits_every_large_weight():
     opt_bytes = bytes_per_device(trainer.state["opt_state"])
     opt_total = sum(x.nbytes for x in jax.tree_util.tree_leaves(trainer.state["opt_state"]))
     assert max(opt_bytes.values()) <= opt_total / 8 + 2 * small + 64
+
+
+def test_mixed_layout_compiles_without_resharding_whole_tensors(capfd):
+    """XLA warns when it must replicate a tensor to reshard it (an all-gather of everything, then a
+    slice): the embedding lookup under data x fsdp x tensor used to do that."""
+    # No compilation cache: a cache hit would skip the compile, and with it the warning.
+    cfg = load_config(None, BASE + LAYOUTS["data2_fsdp2_tensor2_gqa"] + ["checkpoint.compilation_cache_dir=null"])
+    trainer = Trainer(cfg, write_files=False)
+    trainer._compile()
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err

@@ -14,12 +14,18 @@ def enable_compilation_cache(directory: Optional[str]) -> Optional[str]:
     """Turn on JAX's persistent compilation cache so a restarted job skips recompiling.
 
     Args:
-      directory: cache folder (`~` expanded, created if needed) or a URL; None/"" leaves it off.
+      directory: cache folder (`~` expanded, created if needed) or a URL; None/"" turns it off
+        (also when an earlier Trainer in this process turned it on).
     Returns:
       The folder in use, or None.
     """
+    from jax.experimental.compilation_cache import compilation_cache
+
     if not directory:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
         return None
+    jax.config.update("jax_enable_compilation_cache", True)
     path = os.path.abspath(os.path.expanduser(directory)) if is_local(directory) else directory
     if is_local(path):
         os.makedirs(path, exist_ok=True)
@@ -30,7 +36,5 @@ def enable_compilation_cache(directory: Optional[str]) -> Optional[str]:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     # JAX decides once per process whether the cache is in use; if something compiled before
     # this call, that decision was "no". Reset it so the next compile looks again.
-    from jax.experimental.compilation_cache import compilation_cache
-
     compilation_cache.reset_cache()
     return path
