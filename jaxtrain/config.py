@@ -370,5 +370,12 @@ def validate(cfg: Config) -> None:
             if a is not None and a not in ("data", "stage", "fsdp", "tensor"):
                 raise ConfigError(
                     f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, tensor")
+    c = cfg.checkpoint
+    for key, value in {"every_steps": c.every_steps, "every_minutes": c.every_minutes, "keep_last": c.keep_last,
+                       "keep_every": c.keep_every}.items():
+        if value < 0:
+            raise ConfigError(f"checkpoint.{key} must be >= 0, got {value}")
+    if c.barrier_timeout_s <= 0:
+        raise ConfigError(f"checkpoint.barrier_timeout_s must be positive, got {c.barrier_timeout_s}")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")

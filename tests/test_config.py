@@ -56,6 +56,7 @@ def test_overrides_and_types():
     (["model.num_heads=6", "model.num_kv_heads=4"], "model.num_heads=6 is not a multiple of model.num_kv_heads=4"),
     (["train.steps"], "not of the form section.key=value"),
     (["data.seq_len=4096"], "data.seq_len=4096 is larger than model.max_seq_len=256"),
+    (["checkpoint.keep_last=-1"], "checkpoint.keep_last must be >= 0, got -1"),
 ])
 def test_phase1_errors_name_the_problem(overrides, message):
     with pytest.raises(ConfigError) as e:
