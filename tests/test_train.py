@@ -69,3 +69,23 @@ def test_tiny_config_reaches_the_entropy_floor(tmp_path):
     final = sum(losses[-3:]) / 3  # one batch's loss is noisy; average the last three logs
     assert losses[0] - floor > 1.0  # it started far away...
     assert final - floor <= 0.15, (final, floor)  # ...and learned the chain
+
+
+def test_notebook_flow_step_save_model_and_resume(tmp_path):
+    """The README's notebook snippet: step by step, save, inference, and a new Trainer resumes."""
+    import numpy as np
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "train.steps=5", "checkpoint.compilation_cache_dir=null"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    first, second = trainer.step(), trainer.step()
+    assert (first["step"], second["step"]) == (1, 2) and second["loss"] < 10
+    trainer.save()
+    tokens = np.zeros((1, 8), np.int32)
+    logits = trainer.model()(tokens)
+    assert logits.shape == (1, 8, cfg.model.vocab_size)
+    params = jax.device_get(trainer.state["params"])
+    trainer.close()
+    again = Trainer(cfg, devices=jax.devices()[:1])
+    assert again.resumed_from == 2 and again.step_count == 2
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(again.state["params"]), params)
+    assert again.fit()["step"] == 5
+    again.close()
