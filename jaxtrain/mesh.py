@@ -57,7 +57,10 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
                 raise ConfigError(f"mesh.{a}={sizes[a]} is not divisible by mesh.dcn_{a}={n}")
         dcn_shape = tuple(dcn.get(a, 1) for a in AXES)
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, allow_split_physical_axes=True)
+        # TPU multislice groups devices by slice; GPU and CPU hosts have no slices: group by process.
+        by_process = devices[0].platform != "tpu"
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, process_is_granule=by_process,
+                                                    allow_split_physical_axes=True)
     elif devices[0].platform in ("tpu", "gpu") and num_processes == 1:
         # Topology-aware placement puts the fast links under the innermost (tensor) axis.
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)

@@ -267,3 +267,23 @@ def test_killed_process_restarts_the_job_from_its_checkpoint(tmp_path, child_env
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
     steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
     assert steps[-4:] == [3, 4, 5, 6]  # after the restore every step runs again, none skipped
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_hybrid_dcn_mesh_matches_one_process(tmp_path, child_env):
+    """mesh.dcn_data=2: data parallelism across the 2 processes through a hybrid (DCN x ICI) mesh,
+    computing what one process with the same 4 devices computes."""
+    hybrid, single = tmp_path / "hybrid", tmp_path / "single"
+    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2",
+               overrides=[f"run.output_dir={hybrid}", "mesh.dcn_data=2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), *TINY_OVERRIDES, cache,
+                        f"run.output_dir={single}", "--cpu-devices", "4"], cwd=tmp_path, env=child_env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = read_jsonl(hybrid / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
