@@ -287,3 +287,26 @@ def test_hybrid_dcn_mesh_matches_one_process(tmp_path, child_env):
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_job_saves_once_and_exits_75(tmp_path, child_env):
+    """Preemption of a multi-host job: the processes agree on one step (their stop flags are
+    combined on the devices), write one emergency checkpoint together, and exit 75."""
+    out = tmp_path / "run"
+    cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "2", "--",
+         "train", "--config", str(TINY), *TINY_OVERRIDES, cache, f"run.output_dir={out}", "train.steps=100000"],
+        cwd=tmp_path, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while len(read_jsonl(out / "metrics.jsonl")) < 3 and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 75, err[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    stopped = next(e for e in events if e["kind"] == "preempted")["step"]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [stopped] and stopped >= 3
+    assert not any(e["kind"] == "restart" for e in events)
