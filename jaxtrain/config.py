@@ -138,6 +138,8 @@ class ChaosConfig:
 
     kill_at_step: int = -1  # SIGKILL a process right after this step completes
     kill_process: int = 0  # which process kill_at_step kills
+    slow_process: int = 0  # which process slow_seconds delays
+    slow_seconds: float = 0.0  # that process sleeps this long after every step (a straggler drill)
 
 
 @dataclasses.dataclass(frozen=True)

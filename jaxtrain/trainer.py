@@ -298,6 +298,8 @@ class Trainer:
                 if chaos_on and step == cfg.chaos.kill_at_step and self.process_index == cfg.chaos.kill_process:
                     jax.block_until_ready(self.state)
                     os.kill(os.getpid(), signal.SIGKILL)  # fault drill: die without any cleanup
+                if cfg.chaos.slow_seconds > 0 and self.process_index == cfg.chaos.slow_process:
+                    time.sleep(cfg.chaos.slow_seconds)  # straggler drill: a slow host, same numerics
                 stop = self._agreed_stop()
                 self._maybe_save(step, last=step == cfg.train.steps, force=stop)
             self._log_step(self._take_pending(), force=True)

@@ -20,6 +20,7 @@ FIXED_KEYS = {
     "model.head_dim", "model.mlp_dim", "model.attention",
     "data.source", "data.path", "data.tokenizer", "data.seq_len", "data.global_batch_size",
     "precision.policy", "checkpoint.every_steps",
+    "chaos.kill_at_step", "chaos.kill_process", "chaos.slow_process", "chaos.slow_seconds",
 }
 FIXED_METRICS = {"step", "loss", "grad_norm", "learning_rate", "loss_scale", "step_time_s", "tokens_per_sec",
                  "tflops_per_device", "mfu", "skipped"}

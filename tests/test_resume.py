@@ -107,7 +107,9 @@ def test_kill_during_async_write_restores_previous_checkpoint(tmp_path, cache, u
 @pytest.mark.slow
 def test_sigterm_saves_exits_75_and_loses_no_step(tmp_path, cache, uninterrupted):
     out = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(out, cache, "checkpoint.every_steps=100"), stdout=subprocess.PIPE,
+    # A slowed host (50 ms per step, same numerics) so the signal lands mid-run even when warm.
+    proc = subprocess.Popen(train_cmd(out, cache, "checkpoint.every_steps=100", "chaos.slow_seconds=0.05"),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
