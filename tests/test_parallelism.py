@@ -64,18 +64,11 @@ def test_layout_matches_single_device(layout, single_device_runs):
     losses, grads, params = run(overrides, jax.devices())
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) / abs(want) <= 1e-5, (losses, ref_losses)
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        want = _at(ref_grads, path)
-        assert rel_err(g, want) <= 1e-4, (jax.tree_util.keystr(path), rel_err(g, want))
-    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-        want = _at(ref_params, path)
-        assert rel_err(p, want) <= 1e-4, (jax.tree_util.keystr(path), rel_err(p, want))
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k.key]
-    return tree
+    for got_tree, want_tree in ((grads, ref_grads), (params, ref_params)):
+        errors = jax.tree_util.tree_map_with_path(lambda path, a, b: (jax.tree_util.keystr(path), rel_err(a, b)),
+                                                  got_tree, want_tree)
+        for name, err in jax.tree_util.tree_leaves(errors, is_leaf=lambda x: isinstance(x, tuple)):
+            assert err <= 1e-4, (name, err)
 
 
 def test_fsdp8_splits_every_large_weight():
