@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.metrics import flops_per_step, measure_matmul_peak  # noqa: E402
+from jaxtrain.throughput import flops_per_step, measure_matmul_peak  # noqa: E402
 from jaxtrain.trainer import Trainer  # noqa: E402
 
 

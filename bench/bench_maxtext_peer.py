@@ -206,7 +206,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxtrain.config import load_config
-    from jaxtrain.metrics import flops_per_step
+    from jaxtrain.throughput import flops_per_step
 
     cfg = load_config(CPU_TINY, [])
     flops = flops_per_step(cfg)

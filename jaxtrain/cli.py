@@ -1,4 +1,4 @@
-"""The `jaxtrain` command: train, inspect, prepare-data, checkpoints, launch.
+"""The `jaxtrain` command: train, inspect, launch, prepare-data, checkpoints, and more.
 
 User errors (bad config, missing data, a mesh that does not fit the devices, an incompatible
 checkpoint) print one line on stderr and exit 2, with nothing written. JAX is imported only
@@ -7,16 +7,16 @@ after `--cpu-devices` has configured XLA.
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import sys
 import time
 
 _STARTED_AT = time.time()  # before JAX is imported: restart_to_first_step_s counts from here
 
-from jaxtrain.config import ConfigError
-
-EXIT_OK, EXIT_USAGE, EXIT_RESTART = 0, 2, 75
+from jaxtrain.arguments import Parser, add_run_arguments, parse, train_parser  # noqa: E402
+from jaxtrain.config import ConfigError  # noqa: E402
+from jaxtrain.exit_codes import EXIT_OK, EXIT_USAGE  # noqa: E402
 
 
 def _set_cpu_devices(n: int | None) -> None:
@@ -32,15 +32,21 @@ def _set_cpu_devices(n: int | None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def _train(args: argparse.Namespace) -> int:
-    from jaxtrain.config import load_config
-    cfg = load_config(args.config, args.overrides)  # phase 1, before JAX starts
-    _set_cpu_devices(args.cpu_devices)
+def _start_jax(cpu_devices: int | None) -> None:
+    _set_cpu_devices(cpu_devices)
     from jaxtrain import distributed
     distributed.initialize()
+
+
+def _train(argv: list[str]) -> int:
+    from jaxtrain.config import load_config
+    args = parse(train_parser(), argv)
+    cfg = load_config(args.config, args.overrides)  # phase 1, before JAX starts
+    _start_jax(args.cpu_devices)
     from jaxtrain.trainer import Trainer
-    trainer = Trainer(cfg, console=sys.stdout if sys.stdout.isatty() or args.progress else None,
-                      started_at=_STARTED_AT)
+    # Progress goes to stdout whatever it is: a terminal gets one line rewritten in place,
+    # anything else (SLURM output files, Kubernetes logs, CI, `| tee`) one plain line per log step.
+    trainer = Trainer(cfg, console=sys.stdout, started_at=_STARTED_AT)
     try:
         summary = trainer.fit()
     finally:
@@ -48,66 +54,61 @@ def _train(args: argparse.Namespace) -> int:
     return summary["exit_code"]
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _inspect(argv: list[str]) -> int:
     from jaxtrain.config import load_config
+    p = Parser(prog="jaxtrain inspect", description="Compile the step from shapes alone and report FLOPs, "
+               "memory and collectives (no data is read, no parameter allocated).")
+    add_run_arguments(p)
+    p.add_argument("--parameters", action="store_true", help="also list every parameter's sharding")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parse(p, argv)
     cfg = load_config(args.config, args.overrides)
-    _set_cpu_devices(args.cpu_devices)
-    from jaxtrain import distributed
-    distributed.initialize()
-    from jaxtrain.inspection import inspect_config
-    print(inspect_config(cfg, per_parameter=args.parameters))
+    _start_jax(args.cpu_devices)
+    from jaxtrain.inspection import format_report, inspect_report
+    report = inspect_report(cfg)
+    print(json.dumps(report) if args.json else format_report(report, per_parameter=args.parameters))
     return EXIT_OK
 
 
-def _prepare_data(argv: list[str]) -> int:
-    from jaxtrain.data.prepare import main
-    return main(argv)
+def _passthrough(module: str):
+    """A verb whose module parses its own arguments: `main(argv) -> int`."""
+    def run(argv: list[str]) -> int:
+        import importlib
+        return importlib.import_module(module).main(argv)
+    return run
 
 
-def _checkpoints(argv: list[str]) -> int:
-    from jaxtrain.checkpoint import main
-    return main(argv)
+COMMANDS = {
+    "train": (_train, "train (one process per host); resumes from the run directory"),
+    "inspect": (_inspect, "compile the step from shapes alone; report FLOPs, memory and collectives"),
+    "launch": (_passthrough("jaxtrain.launch"), "start and supervise several local processes of one job"),
+    "prepare-data": (_passthrough("jaxtrain.data.prepare"), "tokenize text/jsonl files into token files"),
+    "checkpoints": (_passthrough("jaxtrain.checkpoint"), "list the checkpoints of a run directory"),
+    "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),
+    "export-hf": (_passthrough("jaxtrain.hf.exporter"), "write a run's parameters as a Hugging Face Llama checkpoint"),
+}
 
 
-def _launch(argv: list[str]) -> int:
-    from jaxtrain.launch import main
-    return main(argv)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxtrain", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", required=True, help="YAML config file (configs/*.yaml)")
-        p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=20")
-        p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                       help="simulate N devices on the CPU (sets XLA's host device count)")
-
-    train = sub.add_parser("train", help="train (one process per host); resumes from the run directory")
-    common(train)
-    train.add_argument("--progress", action="store_true", help="print progress lines even when not on a terminal")
-    inspect = sub.add_parser("inspect", help="compile the step and report FLOPs, memory and collectives")
-    common(inspect)
-    inspect.add_argument("--parameters", action="store_true", help="also list every parameter's sharding")
-    for name, text in (("prepare-data", "tokenize text/jsonl files into token files"),
-                       ("checkpoints", "list the checkpoints of a run directory"),
-                       ("launch", "start and supervise several local processes of one job")):
-        sub.add_parser(name, help=text, add_help=False)
-    return parser
+def usage() -> str:
+    verbs = "\n".join(f"  {name:<14} {text}" for name, (_, text) in COMMANDS.items())
+    return f"usage: jaxtrain COMMAND [ARGS]  (jaxtrain COMMAND --help for its arguments)\ncommands:\n{verbs}"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    passthrough = {"prepare-data": _prepare_data, "checkpoints": _checkpoints, "launch": _launch}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return EXIT_OK if argv else EXIT_USAGE
+    command = COMMANDS.get(argv[0])
     try:
-        if argv and argv[0] in passthrough:
-            return passthrough[argv[0]](argv[1:])
-        args = build_parser().parse_args(argv)
-        return {"train": _train, "inspect": _inspect}[args.command](args)
+        if command is None:
+            raise ConfigError(f"unknown command '{argv[0]}'; commands: {', '.join(COMMANDS)}")
+        return command[0](argv[1:])
     except ConfigError as e:
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except SystemExit as e:  # --help of a subcommand
+        return int(e.code or 0)
     except KeyboardInterrupt:
         return 130
 

@@ -38,6 +38,7 @@ class TrainConfig:
     grad_accum: int = 1  # microbatches per step, accumulated with lax.scan
     eval_every: int = 0  # evaluate on data.eval every N steps (0 = never)
     eval_batches: int = 4  # batches per evaluation
+    host_sync_every: int = 5  # steps between cross-process decisions (preemption stop, time-based saves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,13 @@ class ModelConfig:
     mlp_dim: int = 512  # SwiGLU hidden size
     max_seq_len: int = 2048  # longest sequence the rotary tables are built for
     rope_theta: float = 10000.0
+    # Llama 3.1 long-context rope: "llama3" rescales the rotary frequencies with the four keys below
+    # (the formula of Meta's reference code and transformers' `_compute_llama3_parameters`).
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0  # llama3: long wavelengths are stretched by this factor
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are fully scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept as they are
+    rope_original_max_len: int = 8192  # llama3: context length the model was pretrained with
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
@@ -138,8 +146,9 @@ class ChaosConfig:
 
     kill_at_step: int = -1  # SIGKILL a process right after this step completes
     kill_process: int = 0  # which process kill_at_step kills
-    slow_process: int = 0  # which process slow_seconds delays
+    slow_process: int = 0  # which process slow_seconds and start_delay_s delay
     slow_seconds: float = 0.0  # that process sleeps this long after every step (a straggler drill)
+    start_delay_s: float = 0.0  # that process sleeps this long before joining the run's first collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +251,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in data:
-        if k not in names:
+        if k not in fields:
             raise _unknown_key(prefix + str(k))
     kwargs = {}
     for name, value in data.items():
@@ -253,6 +262,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             kwargs[name] = _build(t, value if value is not None else {}, prefix + name + ".")
         else:
             kwargs[name] = _coerce(prefix + name, value, t)
+            default = fields[name].default_factory
+            if isinstance(kwargs[name], dict) and default is not dataclasses.MISSING:
+                # A mapping (mesh.rules) overrides entries of its defaults; it does not replace them all.
+                kwargs[name] = {**default(), **kwargs[name]}
     return cls(**kwargs)
 
 
@@ -318,6 +331,12 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+def logical_axis_names() -> list[str]:
+    """Every logical axis name the model uses: the keys of the default rules table, plus 'norm'
+    (norm scales, always replicated)."""
+    return sorted(set(MeshConfig().rules) | {"norm"})
+
+
 def validate(cfg: Config) -> None:
     """Phase 1: rules that need no devices. Raises ConfigError naming the keys involved."""
     m, d, t = cfg.model, cfg.data, cfg.train
@@ -327,6 +346,7 @@ def validate(cfg: Config) -> None:
         "model.mlp_dim": m.mlp_dim, "model.max_seq_len": m.max_seq_len, "data.seq_len": d.seq_len,
         "data.global_batch_size": d.global_batch_size, "train.steps": t.steps, "train.log_every": t.log_every,
         "train.grad_accum": t.grad_accum, "mesh.stage": cfg.mesh.stage, "data.prefetch": d.prefetch + 1,
+        "train.host_sync_every": t.host_sync_every, "train.eval_batches": t.eval_batches,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -343,6 +363,16 @@ def validate(cfg: Config) -> None:
             "(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)")
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
+    if m.rope_scaling == "llama3":
+        if m.rope_scaling_factor < 1.0:
+            raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 (1 = no scaling)")
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be positive and smaller than "
+                              f"model.rope_high_freq_factor={m.rope_high_freq_factor} (they bound the smoothed band)")
+        if m.rope_original_max_len <= 0:
+            raise ConfigError(f"model.rope_original_max_len={m.rope_original_max_len} must be positive")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} is larger than model.max_seq_len={m.max_seq_len}")
     if d.global_batch_size % t.grad_accum:
@@ -366,12 +396,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError("mesh.stage > 1 (pipeline parallelism) is not available in this version; use data/fsdp/tensor")
     if cfg.precision.policy == "fp16":
         raise ConfigError("precision.policy=fp16 needs dynamic loss scaling, which this version does not have; use bf16 or fp32")
+    known = logical_axis_names()
+    for logical in cfg.mesh.rules:
+        if logical not in known:
+            close = difflib.get_close_matches(str(logical), known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"mesh.rules names unknown logical axis '{logical}'{hint} (known: {', '.join(known)})")
     for logical, target in cfg.mesh.rules.items():
         targets = target if isinstance(target, list) else [target]
         for a in targets:
             if a is not None and a not in ("data", "stage", "fsdp", "tensor"):
                 raise ConfigError(
                     f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, tensor")
+    ch = cfg.chaos
+    for key, value in {"chaos.slow_seconds": ch.slow_seconds, "chaos.start_delay_s": ch.start_delay_s,
+                       "chaos.kill_process": ch.kill_process, "chaos.slow_process": ch.slow_process,
+                       "train.eval_every": t.eval_every}.items():
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
     c = cfg.checkpoint
     for key, value in {"every_steps": c.every_steps, "every_minutes": c.every_minutes, "keep_last": c.keep_last,
                        "keep_every": c.keep_every}.items():

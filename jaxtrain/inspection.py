@@ -1,6 +1,7 @@
-"""`jaxtrain inspect`: compile the step without training and report where time and memory go.
+"""`jaxtrain inspect`: compile the step from shapes alone and report where time and memory go.
 
-Reports parameters, model FLOPs per step, XLA's own FLOP count, memory per device, every
+Nothing is allocated and no data is read: the state and the batch are `ShapeDtypeStruct`s, so
+`jaxtrain inspect --config configs/llama3-70b.yaml` works on a laptop. Reports parameters, model FLOPs per step, XLA's own FLOP count, memory per device, every
 parameter's sharding (optional) and collective traffic per step by kind, read from the compiled
 HLO. Collectives inside loops (the layer scan, gradient accumulation) are multiplied by the
 loop's trip count when XLA records it (`known_trip_count`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections import defaultdict
 
 import jax
@@ -69,41 +71,81 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
     return totals
 
 
-def inspect_config(cfg: Config, per_parameter: bool = False) -> str:
-    """Build the trainer (no files written), compile its step and return a text report."""
-    from jaxtrain.metrics import flops_per_step
-    from jaxtrain.trainer import Trainer
+def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict:
+    """Compile the train step from shapes alone (no data read, no parameter allocated) and report.
 
-    trainer = Trainer(cfg, write_files=False)
-    trainer._compile()
-    compiled = trainer.compiled_step
-    lines = [f"devices: {trainer.mesh.size} ({jax.devices()[0].device_kind})   mesh: {trainer.mesh_sizes}",
-             f"parameters: {trainer.num_params:,}",
-             f"model FLOPs per step: {flops_per_step(cfg):.4g}   compile: {trainer.compile_s:.1f} s"]
+    Returns a JSON-able dict: `params`, `flops_per_step`, `xla_flops_per_device`, `mesh`,
+    `peak_memory_bytes_per_device` and its parts, `collectives` (kind -> {count, bytes} per step
+    per device), `compile_s` and `parameters` (name -> shape, logical axes, spec, bytes per device).
+    Raises:
+      ConfigError: the same phase-2 errors as `jaxtrain train` (mesh, divisibility, attention).
+    """
+    from jaxtrain.mesh import build_mesh, validate_against_devices
+    from jaxtrain.state import build_layout
+    from jaxtrain.throughput import flops_per_step
+    from jaxtrain.trainer import resolve_attention
+
+    devices = list(devices) if devices is not None else jax.devices()
+    sizes = validate_against_devices(cfg, len(devices), jax.process_count())
+    attention = resolve_attention(cfg, devices[0].platform, sizes)
+    mesh = build_mesh(cfg.mesh, devices)
+    layout = build_layout(cfg, mesh)
+    t = time.perf_counter()
+    compiled = layout.lower_train_step().compile()
+    report: dict = {"devices": len(devices), "device_kind": devices[0].device_kind, "mesh": sizes,
+                    "attention": attention, "params": layout.num_params, "flops_per_step": flops_per_step(cfg),
+                    "compile_s": round(time.perf_counter() - t, 3)}
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    if cost and "flops" in cost:
-        lines.append(f"XLA FLOPs per step per device: {cost['flops']:.4g}")
+    report["xla_flops_per_device"] = float(cost["flops"]) if cost and "flops" in cost else None
     mem = compiled.memory_analysis()
     if mem is not None:
+        report["memory_bytes_per_device"] = {
+            "arguments": mem.argument_size_in_bytes, "temporaries": mem.temp_size_in_bytes,
+            "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes}
+        report["peak_memory_bytes_per_device"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                                                  + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+    report["collectives"] = collective_bytes(compiled.as_text())
+    abstract_params = layout.abstract_state()["params"]
+    params = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        names = _at(layout.logical, path)
+        shard = x.sharding.shard_shape(x.shape)
+        params[jax.tree_util.keystr(path)] = {
+            "shape": list(x.shape), "logical": list(names), "spec": str(logical_to_spec(names, layout.rules)),
+            "bytes_per_device": math.prod(shard) * x.dtype.itemsize}
+    report["parameters"] = params
+    return report
+
+
+def format_report(report: dict, per_parameter: bool = False) -> str:
+    """The text form of `inspect_report`."""
+    lines = [f"devices: {report['devices']} ({report['device_kind']})   mesh: {report['mesh']}   "
+             f"attention: {report['attention']}",
+             f"parameters: {report['params']:,}",
+             f"model FLOPs per step: {report['flops_per_step']:.4g}   compile: {report['compile_s']:.1f} s"]
+    if report.get("xla_flops_per_device") is not None:
+        lines.append(f"XLA FLOPs per step per device: {report['xla_flops_per_device']:.4g}")
+    mem = report.get("memory_bytes_per_device")
+    if mem is not None:
         gib = 1 / 2**30
-        lines.append(f"memory per device: arguments {mem.argument_size_in_bytes * gib:.3f} GiB, "
-                     f"temporaries {mem.temp_size_in_bytes * gib:.3f} GiB, outputs {mem.output_size_in_bytes * gib:.3f} GiB "
-                     f"(aliased {mem.alias_size_in_bytes * gib:.3f} GiB); peak ~ "
-                     f"{(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes) * gib:.3f} GiB")
+        lines.append(f"memory per device: arguments {mem['arguments'] * gib:.3f} GiB, temporaries "
+                     f"{mem['temporaries'] * gib:.3f} GiB, outputs {mem['outputs'] * gib:.3f} GiB (aliased "
+                     f"{mem['aliased'] * gib:.3f} GiB); peak ~ {report['peak_memory_bytes_per_device'] * gib:.3f} GiB")
     lines.append("collectives per step (per device):")
-    for kind, v in collective_bytes(compiled.as_text()).items():
+    for kind, v in report["collectives"].items():
         lines.append(f"  {kind:<20} {int(v['count']):>6} ops  {v['bytes'] / 2**20:>10.2f} MiB")
     if per_parameter:
         lines.append("parameters (logical axes -> PartitionSpec, bytes per device):")
-        flat = jax.tree_util.tree_flatten_with_path(trainer.state["params"])[0]
-        for path, x in flat:
-            names = _at(trainer.logical, path)
-            spec = logical_to_spec(names, trainer.rules)
-            shard_bytes = x.addressable_shards[0].data.nbytes
-            lines.append(f"  {jax.tree_util.keystr(path):<36} {str(tuple(x.shape)):<22} {str(names):<44} "
-                         f"{str(spec):<36} {shard_bytes:,}")
+        for name, p in report["parameters"].items():
+            lines.append(f"  {name:<36} {str(tuple(p['shape'])):<22} {str(tuple(p['logical'])):<44} "
+                         f"{p['spec']:<36} {p['bytes_per_device']:,}")
     return "\n".join(lines)
+
+
+def inspect_config(cfg: Config, per_parameter: bool = False) -> str:
+    """`inspect_report` as text (the `jaxtrain inspect` output)."""
+    return format_report(inspect_report(cfg), per_parameter)
 
 
 def _at(tree, path):

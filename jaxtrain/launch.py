@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 from typing import IO, Sequence
 
+from jaxtrain.arguments import Parser, parse, train_parser
 from jaxtrain.config import ConfigError, load_config
-
-EXIT_OK, EXIT_USAGE, EXIT_RESTART = 0, 2, 75
+from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE
+from jaxtrain.paths import is_remote
 RESTART_ATTEMPT_ENV = "JAXTRAIN_RESTART_ATTEMPT"  # 0 on the first attempt, n on the n-th restart
 POLL_INTERVAL_S = 0.1
 
@@ -75,10 +76,6 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def _is_remote(output_dir: str | Path) -> bool:
-    return "://" in str(output_dir)  # gs://bucket/run and the like: not a local path
-
-
 def _last_step_in(path: Path) -> int:
     # Only the file's tail: run files of long runs are large. A process killed mid-write may leave
     # a torn last line, which is skipped.
@@ -106,7 +103,7 @@ def last_known_step(output_dir: str | Path | None) -> int:
       That step, or -1 when nothing was recorded (or the directory is remote). Metrics are logged
       every train.log_every steps, events such as checkpoint_saved in between: either may be later.
     """
-    if output_dir is None or _is_remote(output_dir):
+    if output_dir is None or is_remote(output_dir):
         return -1
     return max(_last_step_in(Path(output_dir) / "metrics.jsonl"), _last_step_in(Path(output_dir) / "events.jsonl"))
 
@@ -122,7 +119,7 @@ def append_event(output_dir: str | Path | None, kind: str, step: int, **details:
       step: the step the event refers to (-1 if unknown).
       details: more JSON-serializable fields.
     """
-    if output_dir is None or _is_remote(output_dir):
+    if output_dir is None or is_remote(output_dir):
         return  # gs://... run directories: the trainer's own events are there; we only log to stderr
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     record = {"time": time.time(), "step": int(step), "kind": kind, **details}
@@ -360,7 +357,7 @@ class Supervisor:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="jaxtrain launch",
         description="Start and supervise P local processes of one job; restart it when a process dies.",
         epilog="example: jaxtrain launch --num-processes 2 --cpu-devices 2 -- train --config configs/tiny.yaml")
@@ -390,8 +387,7 @@ def child_command(train_argv: list[str], cpu_devices: int | None) -> tuple[list[
     """
     if not train_argv or train_argv[0] != "train":
         raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
-    from jaxtrain.cli import build_parser as cli_parser  # the same parser `train` uses: same rules
-    args = cli_parser().parse_args(train_argv)
+    args = parse(train_parser(), train_argv[1:])  # the same parser `jaxtrain train` uses: same rules
     if cpu_devices is not None and args.cpu_devices is not None:
         raise ConfigError("--cpu-devices given both to `launch` and to `train`: give it once")
     # Phase-1 config check here, once, so a typo fails fast instead of in P processes. Phase 2 (mesh
@@ -400,8 +396,6 @@ def child_command(train_argv: list[str], cpu_devices: int | None) -> tuple[list[
     argv = [sys.executable, "-m", "jaxtrain.cli", *train_argv]
     if cpu_devices is not None:
         argv += ["--cpu-devices", str(cpu_devices)]
-    if "--progress" not in train_argv and sys.stdout.isatty():
-        argv.append("--progress")  # children write to pipes; show process 0's progress lines anyway
     return argv, cfg.run.output_dir
 
 
@@ -421,14 +415,12 @@ def main(argv: list[str]) -> int:
     else:
         own, train_argv = argv, []
     try:
-        args = build_parser().parse_args(own)
-        if not train_argv:
-            raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
-        command, output_dir = child_command(train_argv, args.cpu_devices)
-    except SystemExit as e:  # argparse already printed usage and the error
+        args = parse(build_parser(), own)
+    except SystemExit as e:  # --help
         return int(e.code or 0)
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise ConfigError(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
+    if not train_argv:
+        raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
+    command, output_dir = child_command(train_argv, args.cpu_devices)
     supervisor = Supervisor(command, args.num_processes, output_dir=output_dir, max_restarts=args.max_restarts,
                             port=args.port, grace_period_s=args.grace_period_s)
     return supervisor.run()

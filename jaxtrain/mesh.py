@@ -71,12 +71,19 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
     return Mesh(grid, AXES)
 
 
-def validate_against_devices(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Phase 2: rules that need the device count. Returns the resolved mesh sizes.
+def validate_against_devices(cfg: Config, num_devices: int, num_processes: int = 1) -> dict[str, int]:
+    """Phase 2: rules that need the device and process counts. Returns the resolved mesh sizes.
 
-    Runs after distributed init and before anything is written (the device count is not known
+    Runs after distributed init and before anything is written (the counts are not known
     before that). Per-parameter divisibility is checked later by `sharding.param_shardings`.
     """
+    c = cfg.chaos
+    drills = {"chaos.kill_process": (c.kill_process, c.kill_at_step >= 0),
+              "chaos.slow_process": (c.slow_process, c.slow_seconds > 0 or c.start_delay_s > 0)}
+    for key, (process, enabled) in drills.items():
+        if enabled and not 0 <= process < num_processes:
+            raise ConfigError(f"{key}={process} names no process of this job: it has {num_processes} "
+                              f"process(es), numbered 0 to {num_processes - 1}")
     sizes = resolve_mesh_shape(cfg.mesh, num_devices)
     batch_axes = cfg.mesh.rules.get("batch") or []
     batch_axes = batch_axes if isinstance(batch_axes, list) else [batch_axes]

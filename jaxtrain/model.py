@@ -17,12 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels
 from jaxtrain.config import ModelConfig
-from jaxtrain.sharding import constrain, per_shard
+from jaxtrain.sharding import KERNEL_WHOLE_AXES, constrain, per_shard
 from kernels import flash_attention
 
 # Parameters get logical names as metadata only; shardings are decided by jaxtrain.sharding.
 nnx.use_eager_sharding(False)
+
+LOGIT_STD = 0.5  # std of the initial logits (see Transformer.__init__)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
@@ -40,10 +43,24 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x_BLD.dtype)
 
 
-def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float) -> jax.Array:
-    """Rotate channel pairs (i, i + H/2) by position-dependent angles (Llama's layout)."""
+def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
+           llama3: tuple[float, float, float, int] | None = None) -> jax.Array:
+    """Rotate channel pairs (i, i + H/2) by position-dependent angles (Llama's layout).
+
+    `llama3` = (factor, low_freq_factor, high_freq_factor, original_max_len) applies Llama 3.1's
+    long-context scaling: wavelengths longer than original_max_len / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_len / high_freq_factor are kept, and
+    the band between is interpolated (as transformers' `_compute_llama3_parameters`).
+    """
     H = x_BLnH.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
+    # 1 / theta^(i/H), spelled as transformers does: bit-identical frequencies (theta^(-i/H) is
+    # off by an ulp, which at position 1e5 is 1e-2 rad).
+    inv_freq = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
+    if llama3 is not None:
+        factor, low, high, original_len = llama3
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = jnp.clip((original_len / wavelen - low) / (high - low), 0.0, 1.0)  # 0 above the band, 1 below
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
     sin, cos = jnp.sin(angle_BLh)[:, :, None, :], jnp.cos(angle_BLh)[:, :, None, :]
     x1, x2 = jnp.split(x_BLnH.astype(jnp.float32), 2, axis=-1)
@@ -61,27 +78,31 @@ class Attention(nnx.Module):
         # Output projection scaled down with depth (GPT-2/Llama practice) to keep residuals stable.
         self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         self.theta, self.implementation = cfg.rope_theta, cfg.attention
+        self.llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                        cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
         q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype))
         k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype))
         v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype))
-        q_BLNH = constrain(rotary(q_BLNH, positions_BL, self.theta), ("batch", "length", "heads", "head_dim"))
-        k_BLKH = constrain(rotary(k_BLKH, positions_BL, self.theta), ("batch", "length", "kv_heads", "head_dim"))
+        q_BLNH = constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3), ("batch", "length", "heads", "head_dim"))
+        k_BLKH = constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3), ("batch", "length", "kv_heads", "head_dim"))
         v_BLKH = constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
         o_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
         return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
 
 
     def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
+        implementation = kernels.resolve_implementation(self.implementation)  # 'auto' -> this platform's best
         attend = lambda q, k, v, seg: flash_attention(q, k, v, causal=True, segment_ids=seg,
-                                                      implementation=self.implementation)
-        if self.implementation == "xla":
+                                                      implementation=implementation)
+        if implementation == "xla":
             return attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)  # plain jnp: XLA partitions it
         # Kernels are opaque to XLA's partitioner: run them per shard (batch and heads are independent).
         qkv = ("batch", "length", "heads", "head_dim")
         kv = ("batch", "length", "kv_heads", "head_dim")
-        return per_shard(attend, (qkv, kv, kv, ("batch", "length")), qkv)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+        return per_shard(attend, (qkv, kv, kv, ("batch", "length")), qkv,
+                         whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
 
 
 class MLP(nnx.Module):
@@ -124,7 +145,13 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         self.cfg, self.dtype = cfg, dtype
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+        # The output projection (the head, or the tied table) starts with std LOGIT_STD/sqrt(D):
+        # the final norm gives unit-RMS features, so initial logits have std LOGIT_STD and the
+        # initial loss is ~ln(vocab) + LOGIT_STD**2/2, whatever d_model is. An untied input table
+        # can be large (it only feeds RMSNorm); a tied one is bounded by its role as the head.
+        head_std = LOGIT_STD / cfg.d_model ** 0.5
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                            head_std if cfg.tie_embeddings else 1.0)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -134,7 +161,7 @@ class Transformer(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model ** -0.5)
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
 
     def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
         cfg, dtype = self.cfg, self.dtype

@@ -85,18 +85,25 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
 
 
-def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...]) -> Callable:
+def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...],
+              whole: tuple[str, ...] = ()) -> Callable:
     """Run `fn` on each device's shard (shard_map), with specs from logical names.
 
     For kernels XLA cannot partition (a `pallas_call` or a Triton custom call): every logical
-    dimension they see must be one they treat independently (batch, heads). A no-op outside
-    `use_rules` or on a single device. `in_names` holds one tuple per argument (None for an
-    argument that is None).
+    dimension they see must be one they treat independently (batch, heads). Dimensions named in
+    `whole` (for attention: length, head_dim) must not be split, or each shard would silently
+    compute something else (attention within its chunk of the sequence only): that raises
+    ConfigError. A no-op outside `use_rules` or on a single device. `in_names` holds one tuple
+    per argument (None for an argument that is None).
     """
     active = _ACTIVE.get()
     if active is None or active[0].size == 1:
         return fn
     mesh, rules = active
+    split = [n for n in whole if _axis_size(mesh, logical_to_spec((n,), rules)[0]) > 1]
+    if split:
+        raise ConfigError(f"mesh.rules shards {', '.join(split)} over mesh axes, but a fused kernel must see whole "
+                          f"{', '.join(split)} on each device; map them to null or use model.attention=xla")
 
     def wrapped(*args):
         present = [i for i, a in enumerate(args) if a is not None]
@@ -111,6 +118,40 @@ def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...]) 
         return jax.shard_map(inner, mesh=mesh, in_specs=in_specs,
                              out_specs=logical_to_spec(out_names, rules))(*[args[i] for i in present])
     return wrapped
+
+
+# Attention kernels see [batch, length, heads, head_dim] blocks: batch and heads are independent,
+# the rest must be whole, and query heads must be split exactly like kv heads (each shard's query
+# heads must find their own kv head among the shard's kv heads).
+KERNEL_WHOLE_AXES = ("length", "head_dim")
+
+
+def check_attention_layout(rules: Rules, mesh_sizes: dict[str, int], implementation: str) -> None:
+    """Refuse (ConfigError) a rules table under which a fused attention kernel would be wrong.
+
+    Args:
+      rules: the logical -> mesh axis table.
+      mesh_sizes: resolved mesh axis sizes.
+      implementation: the resolved attention implementation ('xla' is partitioned by XLA and
+        accepts any table).
+    """
+    if implementation == "xla":
+        return
+
+    def axes(name: str) -> list[str]:
+        target = rules.get(name)
+        return [a for a in (target if isinstance(target, list) else [target]) if a is not None and mesh_sizes[a] > 1]
+
+    for name in KERNEL_WHOLE_AXES:
+        if axes(name):
+            raise ConfigError(
+                f"mesh.rules maps '{name}' to {axes(name)}, but model.attention={implementation} runs a fused kernel "
+                f"per shard that must see the whole {name}: each shard would attend only within its chunk. Map "
+                f"'{name}' to null, or use model.attention=xla")
+    if axes("heads") != axes("kv_heads"):
+        raise ConfigError(
+            f"mesh.rules shards 'heads' over {axes('heads')} but 'kv_heads' over {axes('kv_heads')}; with "
+            f"model.attention={implementation} both must map to the same mesh axes (or use model.attention=xla)")
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:

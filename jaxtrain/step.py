@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 from jaxtrain.config import Config
 from jaxtrain.sharding import Rules, constrain, use_rules
 
-Batch = dict[str, jax.Array]  # tokens, targets, segment_ids, positions, loss_mask: [B, L]
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+Batch = dict[str, jax.Array]  # the BATCH_KEYS, each [B, L]
 State = dict[str, Any]
 
 
@@ -77,6 +78,15 @@ def split_microbatches(batch: Batch, n: int) -> Batch:
     return {k: one(v) for k, v in batch.items()}
 
 
+def advance_rng(rng: jax.Array, step: jax.Array) -> jax.Array:
+    """The next step's RNG key data: this step's key folded with the step number.
+
+    Randomness inside a step (dropout, ...) draws from the key it was given; the state carries
+    the advanced key, so a resumed run continues the same stream bitwise.
+    """
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), step))
+
+
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     mesh: Mesh | None = None, rules: Rules | None = None) -> Callable[[State, Batch], tuple[State, dict]]:
     """Build the pure train step (not yet jitted: the trainer adds shardings and donation).
@@ -105,7 +115,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state, "rng": state["rng"]}
+                     "opt_state": opt_state, "rng": advance_rng(state["rng"], state["step"])}
         metrics = {"loss": loss_total / denom, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state["step"]), "tokens": tokens,
                    "loss_scale": jnp.float32(1.0), "skipped": jnp.bool_(False)}

@@ -1,68 +1,92 @@
-"""The training loop: wires config, mesh, model, step, data, checkpoints and logs together.
+"""The training loop: wires config, mesh, state, step, data, checkpoints and logs together.
 
 Usable whole (`Trainer(cfg).fit()`) or step by step from a notebook:
 
     trainer = Trainer(load_config("configs/tiny.yaml", ["train.steps=50"]))
     metrics = trainer.step()          # one optimizer step, metrics as Python numbers
-    model = trainer.model()           # an nnx.Module holding the current parameters
+    model = trainer.model()           # an nnx.Module holding a copy of the current parameters
 
-Order of work (abstract first, nothing built unsharded): phase-2 config checks -> mesh ->
-abstract model (`nnx.eval_shape`) -> shardings from the rules table -> restore-or-init directly
-into those shardings -> compile the step once -> loop.
+Order of work (abstract first, nothing built unsharded): phase-2 checks -> mesh -> state layout
+(shapes and shardings, `jaxtrain.state`) -> data -> restore-or-init directly into those
+shardings -> compile the step once -> loop.
+
+The loop itself is wiring. Each step: queue it on the device, then read the previous step's
+metrics (one step late, so the device is never idle waiting for the host), then let the
+capabilities act: evaluation (`evaluation.py`), throughput accounting (`throughput.py`), fault
+drills (`chaos.py`), the agreed stop/save decision (`preemption.py`), checkpoints
+(`checkpoint/`). A new capability is an object the loop calls, not a branch in it.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kernels
 from jaxtrain import __version__
-from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only, to_path
+from jaxtrain.chaos import Chaos
+from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
 from jaxtrain.config import Config, ConfigError, save_config
-from jaxtrain.data import build_eval_data, build_train_data
+from jaxtrain.data import build_train_data
+from jaxtrain.evaluation import Evaluator, PendingEval
+from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART
 from jaxtrain.mesh import build_mesh, validate_against_devices
-from jaxtrain.metrics import RunLog, flops_per_step, peak_flops_per_device
-from jaxtrain.model import Transformer, logical_axes
-from jaxtrain.sharding import batch_sharding, global_batch, param_shardings
-from jaxtrain.step import compute_dtype, make_eval_step, make_optimizer, make_train_step
+from jaxtrain.model import Transformer
+from jaxtrain.paths import is_remote, join
+from jaxtrain.preemption import HostSync, StopSignals
+from jaxtrain.runlog import RunLog
+from jaxtrain.sharding import check_attention_layout, global_batch
+from jaxtrain.state import State, build_layout
+from jaxtrain.step import BATCH_KEYS
+from jaxtrain.throughput import Throughput, flops_per_step, peak_flops_per_device
 
-BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
-EXIT_RESTART = 75  # "restart me": preempted after an emergency checkpoint
 
+def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int]) -> str:
+    """`model.attention` resolved for this platform and checked against the rules table.
 
-def check_attention_available(cfg: Config, platform: str) -> str:
-    """Resolve `model.attention` for this platform, as a ConfigError when unavailable."""
+    Raises:
+      ConfigError: not available here, or a rules table under which the kernel would be wrong.
+    """
     try:
-        return kernels.resolve_implementation(cfg.model.attention, platform)
+        implementation = kernels.resolve_implementation(cfg.model.attention, platform)
     except ValueError as e:
         raise ConfigError(f"model.attention={cfg.model.attention}: {e}") from None
+    check_attention_layout(cfg.mesh.rules, mesh_sizes, implementation)
+    return implementation
+
+
+def check_output_dir(output_dir: str) -> None:
+    """A run directory must be a directory (or not exist yet)."""
+    if not is_remote(output_dir) and Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise ConfigError(f"run.output_dir='{output_dir}' is an existing file, not a directory")
+
+
+class _Pending:
+    """A step queued on the device whose metrics have not been read yet."""
+
+    def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None):
+        self.step, self.metrics, self.data_wait_s, self.evaluation = step, metrics, data_wait_s, evaluation
 
 
 class Trainer:
-    """One training run. Construction validates, builds the sharded state and compiles the step."""
+    """One training run. Construction validates, builds the sharded state and restores or initialises it."""
 
     def __init__(self, cfg: Config, *, console: IO[str] | None = None, write_files: bool = True,
                  devices: list[jax.Device] | None = None, started_at: float | None = None):
         """Args:
           cfg: the validated config.
-          console: where the live progress line goes (None: nowhere).
+          console: where progress lines go (None: nowhere). On a terminal the line is rewritten
+            in place; elsewhere every logged step is one plain line.
           write_files: False keeps the run directory untouched (notebooks, tests).
           devices: the devices to build the mesh on (default: all of the job's devices).
           started_at: wall time the process started (for restart_to_first_step_s).
+        Raises:
+          ConfigError: anything the user can fix; raised before anything is written.
         """
         self.cfg = cfg
         self._started_at = started_at if started_at is not None else time.time()
@@ -70,118 +94,90 @@ class Trainer:
         enable_compilation_cache(cfg.checkpoint.compilation_cache_dir)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         devices = list(devices) if devices is not None else jax.devices()
-        # Phase-2 validation: needs the device count, runs before anything is written.
-        self.mesh_sizes = validate_against_devices(cfg, len(devices))
-        self.attention = check_attention_available(cfg, devices[0].platform)
+        # Phase-2 validation: needs the devices and processes, runs before anything is written.
+        self.mesh_sizes = validate_against_devices(cfg, len(devices), self.process_count)
+        self.attention = resolve_attention(cfg, devices[0].platform, self.mesh_sizes)
+        if write_files:
+            check_output_dir(cfg.run.output_dir)
         self.mesh = build_mesh(cfg.mesh, devices)
-        self.rules = cfg.mesh.rules
-
-        # Abstract model -> logical axes -> shardings. Nothing is allocated yet.
-        model_cfg = cfg.model
-        dtype = compute_dtype(cfg)
-        abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.run.seed), dtype=dtype))
-        self.graphdef, abstract_params = nnx.split(abstract)
-        self.logical = logical_axes(abstract_params)
-        abstract_params = nnx.to_pure_dict(abstract_params)
-        self.param_shardings = param_shardings(self.logical, abstract_params, self.mesh, self.rules)
-        self.num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract_params))
-
-        self.optimizer = make_optimizer(cfg)
-        replicated = NamedSharding(self.mesh, P())
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
-            transform_non_params=lambda _: replicated)
-        self.state_shardings = {"step": replicated, "params": self.param_shardings,
-                                "opt_state": opt_shardings, "rng": replicated}
-        self.batch_sharding = batch_sharding(self.mesh, self.rules)
-        self.eval_step = jax.jit(make_eval_step(self.graphdef, self.mesh, self.rules),
-                                 in_shardings=(self.param_shardings, self.batch_sharding),
-                                 out_shardings=(replicated, replicated))
+        self.layout = build_layout(cfg, self.mesh)
+        self.rules, self.graphdef, self.logical = cfg.mesh.rules, self.layout.graphdef, self.layout.logical
+        self.num_params = self.layout.num_params
+        self.evaluator = Evaluator(cfg, self.layout, self.process_index, self.process_count)
+        self.chaos = Chaos(cfg, self.process_index, self._event)
+        self._queued_events: list[tuple[str, int, dict]] = []  # events raised before the log exists
+        self.log: RunLog | None = None
 
         # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
         self.data = build_train_data(cfg, self.process_index, self.process_count)
         self.compiled_step = None  # compiled on first use (see _compile)
 
         # Restore or init, in this order: (1) this run's own latest good checkpoint, (2) the
-        # parameters of checkpoint.init_from, (3) fresh. Both restores go straight into the
-        # shardings above; a mismatched checkpoint is a ConfigError raised before we write.
-        self.output_dir = Path(cfg.run.output_dir)
-        self._events: list[tuple[str, int, dict]] = []  # events raised before the log exists
-        self.checkpointer: Checkpointer | None = None
+        # parameters of checkpoint.init_from, (3) fresh. Every process takes the same path of
+        # collective calls whatever the filesystem shows: the latest-step agreement runs on all
+        # of them, also on a fresh run (where it agrees on "none").
+        self.output_dir = cfg.run.output_dir
+        self.chaos.at_start()
+        self.checkpointer = Checkpointer(join(self.output_dir, "checkpoints"), cfg.checkpoint,
+                                         on_event=self._event) if write_files else None
         self.resumed_from: int | None = None
-        checkpoint_dir = f"{str(cfg.run.output_dir).rstrip('/')}/checkpoints"
-        if write_files and to_path(checkpoint_dir).exists():
-            self.checkpointer = self._make_checkpointer(checkpoint_dir)
-            latest = self.checkpointer.latest_step()
-            if latest is not None:
-                self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
-                self.data.set_state(extra["data"])
-                self.resumed_from = latest
-        if self.resumed_from is None:
-            self.state = self._init_state()
+        latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        if latest is not None:
+            self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
+            self.data.set_state(extra["data"])
+            self.resumed_from = latest
+        else:
+            self.state = self.layout.init()
             if cfg.checkpoint.init_from:
                 params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
                 self.state = {**self.state, "params": params}
-                self._events.append(("init_from", 0, {"path": cfg.checkpoint.init_from}))
+                self._event("init_from", 0, path=cfg.checkpoint.init_from)
 
+        # Only now, with every user error behind us, does anything reach the disk.
         primary = self.process_index == 0 and write_files
         if primary:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.output_dir / "config.yaml")
+            Path(self.output_dir).mkdir(parents=True, exist_ok=True)
+            save_config(cfg, Path(self.output_dir) / "config.yaml")
         self.log = RunLog(str(self.output_dir), console=console, enabled=primary)
-        for kind, step, details in self._events:
+        for kind, step, details in self._queued_events:
             self.log.event(kind, step, **details)
-        self._events = []
-        if write_files and self.checkpointer is None:
-            self.checkpointer = self._make_checkpointer(checkpoint_dir)
-        self.flops_per_step = flops_per_step(cfg)
+        self._queued_events = []
+
+        self._host_step = self.step_count  # the host's count, so it never has to read the device's step
         self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
-        self._pending: tuple[int, dict, float] | None = None  # last step's device metrics, read one step late
-        self._host_step = self.step_count
-        self._last_log = (self._host_step, time.perf_counter())
-        self._stop_requested = False
+        self.throughput = Throughput(flops_per_step(cfg), self.peak_flops, self.mesh.size, self._host_step)
+        self.signals = StopSignals()
+        self.host_sync = HostSync(self.mesh, cfg.train.host_sync_every, self.process_count)
+        self._pending: _Pending | None = None
 
     # ------------------------------------------------------------------ building
 
-    def _init_fn(self) -> dict:
-        cfg = self.cfg
-        model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.run.seed), dtype=compute_dtype(cfg))
-        params = nnx.to_pure_dict(nnx.state(model))
-        return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
-                "rng": jax.random.key_data(jax.random.key(cfg.run.seed))}
-
-    def _init_state(self) -> dict:
-        # Built directly in its shardings: no device ever holds the whole model.
-        return jax.jit(self._init_fn, out_shardings=self.state_shardings)()
-
-    def abstract_state(self) -> dict:
+    def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
-        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      jax.eval_shape(self._init_fn), self.state_shardings)
+        return self.layout.abstract_state()
 
-    def _make_checkpointer(self, directory: str) -> Checkpointer:
-        def on_event(kind: str, step: int, **details: Any) -> None:
-            if getattr(self, "log", None) is None:
-                self._events.append((kind, step, details))
-            else:
-                self.log.event(kind, step, **details)
-        return Checkpointer(directory, self.cfg.checkpoint, on_event=on_event)
+    @property
+    def state_shardings(self) -> dict:
+        return self.layout.state_shardings
 
-    def _abstract_batch(self) -> dict:
-        d = self.cfg.data
-        shape = (d.global_batch_size, d.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+    @property
+    def batch_sharding(self):
+        return self.layout.batch_sharding
+
+    @property
+    def optimizer(self):
+        return self.layout.optimizer
+
+    def _event(self, kind: str, step: int, **details: Any) -> None:
+        if self.log is None:
+            self._queued_events.append((kind, step, details))
+        else:
+            self.log.event(kind, step, **details)
 
     def _compile(self) -> None:
         """Compile the train step once, ahead of time, with explicit shardings and donated state."""
-        replicated = NamedSharding(self.mesh, P())
-        step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules)
-        jitted = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         t = time.perf_counter()
-        self.lowered_step = jitted.lower(self.abstract_state(), self._abstract_batch())
+        self.lowered_step = self.layout.lower_train_step()
         self.compiled_step = self.lowered_step.compile()
         self.compile_s = time.perf_counter() - t
 
@@ -191,83 +187,66 @@ class Trainer:
     def step_count(self) -> int:
         return int(jax.device_get(self.state["step"]))  # a host sync: not for the hot loop
 
-    def _next_batch(self) -> tuple[dict, float]:
-        local = next(self.data)
-        wait = float(getattr(self.data, "last_wait_s", 0.0))
-        return global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules), wait
-
-    def _dispatch(self) -> int:
-        """Queue one step on the device; returns the step number it produces."""
+    def _dispatch(self) -> _Pending:
+        """Queue one step on the device (and its evaluation, if due, on the parameters it produces)."""
         if self.compiled_step is None:
             self._compile()
-        batch, wait = self._next_batch()
+        local = next(self.data)
+        wait = float(getattr(self.data, "last_wait_s", 0.0))
+        batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
         self.state, metrics = self.compiled_step(self.state, batch)
-        self._host_step += 1  # the host's count, so it never has to read the device's step
-        self._pending = (self._host_step, metrics, wait)
-        return self._host_step
+        self._host_step += 1
+        # Queued before the next step donates this state: eval_loss at step N is of step N's parameters.
+        evaluation = self.evaluator.dispatch(self.state["params"]) if self.evaluator.due(self._host_step) else None
+        return _Pending(self._host_step, metrics, wait, evaluation)
 
-    def _record(self, step: int, metrics: dict, wait: float) -> dict:
-        """Turn a finished step's device metrics into a log record (reads them: a host sync)."""
-        values = {k: v.item() for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        last_step, last_time = self._last_log
-        steps = max(step - last_step, 1)
-        step_time = (now - last_time) / steps
-        self._last_log = (step, now)
-        n_dev = self.mesh.size
-        tflops_per_device = self.flops_per_step / step_time / n_dev / 1e12
+    def _read(self, pending: _Pending) -> dict:
+        """A finished step's metrics as a log record (reads them: a host sync on that step only)."""
+        values = {k: v.item() for k, v in jax.device_get(pending.metrics).items()}
         d = self.cfg.data
-        return {
-            "step": step, "loss": values["loss"], "grad_norm": values["grad_norm"],
-            "learning_rate": values["learning_rate"], "loss_scale": values["loss_scale"],
-            "step_time_s": step_time, "tokens_per_sec": values["tokens"] / step_time,
-            "tflops_per_device": tflops_per_device, "mfu": tflops_per_device * 1e12 / self.peak_flops,
-            "skipped": bool(values["skipped"]), "data_wait_s": wait,
-            "tokens_per_step": d.global_batch_size * d.seq_len,
-        }
+        record = {"step": pending.step, "loss": values["loss"], "grad_norm": values["grad_norm"],
+                  "learning_rate": values["learning_rate"], "loss_scale": values["loss_scale"],
+                  **self.throughput.record(pending.step, values["tokens"]),
+                  "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
+                  "tokens_per_step": d.global_batch_size * d.seq_len}
+        if pending.evaluation is not None:
+            record["eval_loss"] = self.evaluator.result(pending.evaluation)
+            self.throughput.exclude(pending.step)  # evaluation time is not step time
+        return record
+
+    def _observe(self, pending: _Pending | None, *, force_log: bool = False) -> dict | None:
+        """Read a dispatched step's metrics and log them on log steps."""
+        if pending is None:
+            return None
+        step, train = pending.step, self.cfg.train
+        if not (force_log or step % train.log_every == 0 or step == train.steps or pending.evaluation is not None):
+            return None
+        record = self._read(pending)
+        self.log.metrics(record)
+        return record
 
     def step(self) -> dict:
         """Run one step and return its metrics (synchronous: for notebooks and tests)."""
-        self._log_step(self._take_pending(), force=False)
-        self._last_log = (self._host_step, time.perf_counter())
-        self._dispatch()
-        return self._record(*self._take_pending())
+        self._observe(self._take_pending())
+        self.throughput.restart(self._host_step)
+        record = self._read(self._dispatch())
+        return record
 
-    def _take_pending(self) -> tuple[int, dict, float] | None:
+    def _take_pending(self) -> _Pending | None:
         pending, self._pending = self._pending, None
         return pending
 
-    def _log_step(self, pending: tuple[int, dict, float] | None, force: bool) -> None:
-        """Log a dispatched step's metrics if it is a log step. The loop calls this for step N
-        after queueing step N+1, so reading N's metrics never leaves the device idle."""
-        if pending is None:
-            return
-        step = pending[0]
-        if force or step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
-            record = self._record(*pending)
-            if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
-                record["eval_loss"] = self.evaluate()
-                self._last_log = (step, time.perf_counter())  # evaluation time is not step time
-            self.log.metrics(record)
-
     def evaluate(self, num_batches: int | None = None) -> float | None:
-        """Mean loss per token on the held-out data (data.eval), or None without one."""
-        data = build_eval_data(self.cfg, self.process_index, self.process_count)
-        if data is None:
-            return None
-        total, count = 0.0, 0.0
-        for _ in range(num_batches or self.cfg.train.eval_batches):
-            local = next(data)
-            batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
-            loss_sum, tokens = jax.device_get(self.eval_step(self.state["params"], batch))
-            total, count = total + float(loss_sum), count + float(tokens)
-        if hasattr(data, "close"):
-            data.close()
-        return total / max(count, 1.0)
+        """Mean loss per token of the current parameters on the held-out data, or None without one."""
+        return self.evaluator.evaluate(self.state["params"], num_batches)
 
     def model(self) -> Transformer:
-        """The model with the current parameters (for inference in a notebook)."""
-        return nnx.merge(self.graphdef, self.state["params"])
+        """A model holding a copy of the current parameters (for inference in a notebook).
+
+        A copy, because the next step donates the state's buffers: a module over them would hold
+        deleted arrays after `step()` or `fit()`.
+        """
+        return nnx.merge(self.graphdef, jax.tree_util.tree_map(lambda x: x.copy(), self.state["params"]))
 
     # ------------------------------------------------------------------ the loop
 
@@ -281,28 +260,25 @@ class Trainer:
                        mesh=self.mesh_sizes, params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
-        self._last_log = (start, time.perf_counter())
-        # Fault drills fire on the first attempt only; `jaxtrain launch` counts restarts.
-        chaos_on = int(os.environ.get("JAXTRAIN_RESTART_ATTEMPT", "0")) == 0
+        self.throughput.restart(start)
         stop = False
-        with _PreemptionSignals(self):
+        with self.signals:
             while self._host_step < cfg.train.steps and not stop:
                 previous = self._take_pending()
-                step = self._dispatch()
-                self._log_step(previous, force=False)
+                self._pending = self._dispatch()
+                step = self._pending.step
+                self._observe(previous)
                 if step == start + 1 and self.resumed_from is not None:
-                    jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
-                    self.log.event("resume", self.resumed_from, restored_step=self.resumed_from,
-                                   restart_to_first_step_s=round(time.time() - self._started_at, 3),
-                                   compile_s=round(self.compile_s, 3))
-                if chaos_on and step == cfg.chaos.kill_at_step and self.process_index == cfg.chaos.kill_process:
-                    jax.block_until_ready(self.state)
-                    os.kill(os.getpid(), signal.SIGKILL)  # fault drill: die without any cleanup
-                if cfg.chaos.slow_seconds > 0 and self.process_index == cfg.chaos.slow_process:
-                    time.sleep(cfg.chaos.slow_seconds)  # straggler drill: a slow host, same numerics
-                stop = self._agreed_stop()
-                self._maybe_save(step, last=step == cfg.train.steps, force=stop)
-            self._log_step(self._take_pending(), force=True)
+                    self._report_resume()
+                self.chaos.after_step(step, self.state)
+                if self.signals.requested and not self.signals.reported:
+                    self.signals.reported = True
+                    self.log.event("signal", step, signal=self.signals.requested)
+                time_due = self.checkpointer is not None and self.checkpointer.time_due()
+                decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
+                stop = decision.stop
+                self._maybe_save(step, last=step == cfg.train.steps, time_due=decision.save, force=stop)
+            self._observe(self._take_pending(), force_log=True)
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # the last checkpoint is committed before we report done
         jax.block_until_ready(self.state)
@@ -310,12 +286,18 @@ class Trainer:
             self.log.event("preempted", self._host_step, exit_code=EXIT_RESTART)
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
         self.log.event("done", self._host_step)
-        return {"step": self._host_step, "exit_code": 0}
+        return {"step": self._host_step, "exit_code": EXIT_OK}
 
-    def _maybe_save(self, step: int, *, last: bool, force: bool = False) -> None:
+    def _report_resume(self) -> None:
+        jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
+        self.log.event("resume", self.resumed_from, restored_step=self.resumed_from,
+                       restart_to_first_step_s=round(time.time() - self._started_at, 3),
+                       compile_s=round(self.compile_s, 3))
+
+    def _maybe_save(self, step: int, *, last: bool, time_due: bool = False, force: bool = False) -> None:
         if self.checkpointer is None:
             return
-        if self.checkpointer.should_save(step, last=last) or force:
+        if force or self.checkpointer.should_save(step, last=last, time_due=time_due):
             extra = {"data": self.data.get_state(), "config": self.cfg.to_dict(),
                      "metadata": {"time": time.time(), "mesh": self.mesh_sizes, "processes": self.process_count,
                                   "version": __version__}}
@@ -328,57 +310,15 @@ class Trainer:
         self._maybe_save(self._host_step, last=False, force=True)
         self.checkpointer.wait()
 
-    def _agreed_stop(self) -> bool:
-        """Whether every process should stop after this step (a preemption signal reached any).
-
-        One process alone: its own flag. Several: each process's flag goes into a tiny global
-        array whose max is read one step late, so all processes stop after the same step
-        without a per-step host barrier.
-        """
-        if self.process_count == 1:
-            return self._stop_requested
-        flags = np.full((len(self.mesh.local_devices),), self._stop_requested, dtype=np.int32)
-        all_devices = NamedSharding(self.mesh, P(self.mesh.axis_names))
-        agreed = jnp.max(jax.make_array_from_process_local_data(all_devices, flags))
-        previous, self._stop_future = getattr(self, "_stop_future", None), agreed
-        return bool(jax.device_get(previous)) if previous is not None else False
-
     def close(self) -> None:
+        """Wait for the checkpoint in flight, stop the data threads, close the logs."""
         if self.checkpointer is not None:
-            self.checkpointer.wait()
             self.checkpointer.close()
             self.checkpointer = None
         if hasattr(self.data, "close"):
             self.data.close()
-        self.log.close()
-
-
-class _PreemptionSignals:
-    """SIGTERM/SIGINT during fit(): finish the step, save an emergency checkpoint, exit 75.
-
-    A second signal gives up waiting (KeyboardInterrupt). Only the main thread can install
-    handlers; elsewhere (a notebook's worker thread) signals keep their default behaviour.
-    """
-
-    def __init__(self, trainer: Trainer):
-        self.trainer, self.previous = trainer, {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.trainer._stop_requested:
-            raise KeyboardInterrupt
-        self.trainer._stop_requested = True
-        self.trainer.log.event("signal", self.trainer._host_step, signal=signal.Signals(signum).name)
-
-    def __enter__(self) -> "_PreemptionSignals":
-        import threading
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        if self.log is not None:
+            self.log.close()
 
 
 def _plain(x: Any) -> Any:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.trainer import Trainer, check_attention_available
+from jaxtrain.trainer import Trainer, resolve_attention
 
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "data.seq_len=32",
@@ -37,7 +37,7 @@ def test_pallas_train_step_equals_xla():
 def test_unavailable_attention_is_a_config_error():
     cfg = load_config(None, SMALL + ["model.attention=triton"])
     with pytest.raises(ConfigError, match="model.attention=triton"):
-        check_attention_available(cfg, "cpu")
+        resolve_attention(cfg, "cpu", {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1})
 
 
 def test_pallas_under_data_and_tensor_parallelism_equals_single_device_xla():

@@ -6,7 +6,7 @@ import pytest
 
 from jaxtrain.config import load_config
 from jaxtrain.inspection import collective_bytes
-from jaxtrain.metrics import flops_per_step
+from jaxtrain.throughput import flops_per_step
 from jaxtrain.tensorboard import ScalarWriter, crc32c, read_scalars
 
 

@@ -10,7 +10,8 @@ import pytest
 from jaxtrain.config import load_config
 from jaxtrain.sharding import bytes_per_device, global_batch
 from jaxtrain.step import loss_sum
-from jaxtrain.trainer import BATCH_KEYS, Trainer
+from jaxtrain.step import BATCH_KEYS
+from jaxtrain.trainer import Trainer
 
 # Sizes chosen so every weight dimension divides by 8 (tensor=8 needs heads and kv_heads of 8).
 BASE = [

@@ -150,8 +150,7 @@ class Checkpointer:
         self._primary = jax.process_index() == 0
         self._uid = next(Checkpointer._instances)
         self._calls = itertools.count()
-        self._prev_barrier_key: Optional[str] = None
-        self._agree_keys: list[str] = []
+        self._generation = 0  # saves started so far; names the key-value directory (see _keys)
         self._events: list[tuple[str, int, dict]] = []
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -159,8 +158,6 @@ class Checkpointer:
         self._inflight: Optional[int] = None
         self._damaged_reported: set[int] = set()
         self._last_save_time = time.monotonic()
-        if self._primary and is_local(os.fspath(self.directory)):
-            os.makedirs(os.fspath(self.directory), exist_ok=True)
         self._orbax = ocp.AsyncCheckpointer(
             ocp.CompositeCheckpointHandler(state=_pytree_handler(), extra=ocp.JsonCheckpointHandler()),
             # Deadline for one whole background write; barriers inside it use barrier_timeout_s.
@@ -170,27 +167,30 @@ class Checkpointer:
 
     # -- coordination --------------------------------------------------------------------
 
+    def _keys(self) -> str:
+        """The key-value directory of this save generation: every barrier and agreement key made
+        between two saves lives under it, and the whole directory is deleted once every process
+        is provably past it (see `_forget_previous_generation`), so the coordinator's store does
+        not grow with the number of checkpoints."""
+        return f"ckpt{self._uid}/g{self._generation}"
+
     def _barrier(self, what: str) -> None:
-        """A named barrier; afterwards, keys that every process has provably read are deleted."""
+        """A named barrier that names missing processes when it times out."""
         if jax.process_count() == 1:
             return
-        name = f"ckpt{self._uid}/{next(self._calls)}/{what}"
-        barrier(name, self.timeout_s)
-        client = _client()
-        # Everyone arrived here, so everyone passed the previous barrier and read every decision
-        # made before it: those keys can go (the coordinator keeps keys until deleted).
-        if self._prev_barrier_key is not None:
-            client.key_value_delete(self._prev_barrier_key)
-        self._prev_barrier_key = f"jaxtrain/barrier/{name}/{jax.process_index()}"
-        if self._primary:
-            for key in self._agree_keys:
-                client.key_value_delete(key)
-            self._agree_keys = []
+        barrier(f"{self._keys()}/{next(self._calls)}/{what}", self.timeout_s)
+
+    def _forget_previous_generation(self) -> None:
+        # Called right after the first barrier of a new generation: every process has joined the
+        # previous save's commit thread (Orbax's barriers included) and passed all of its calls,
+        # so nobody reads the previous generation's keys again.
+        if jax.process_count() > 1 and self._primary and self._generation > 0:
+            _client().key_value_delete(f"jaxtrain/barrier/ckpt{self._uid}/g{self._generation - 1}")
 
     def _orbax_barrier(self, *, key: str, timeout_ms: int) -> None:
         # Orbax's own barriers (write complete, commit complete) go through ours so a missing
-        # process is named; keys are already unique per checkpoint.
-        barrier(f"orbax/{key}", min(timeout_ms / 1000, self.timeout_s))
+        # process is named, and under this generation's keys so they are deleted with it.
+        barrier(f"{self._keys()}/orbax/{key}", min(timeout_ms / 1000, self.timeout_s))
 
     def _agree(self, what: str, decide: Callable[[], str]) -> str:
         """Process 0 runs `decide()`; every process gets its answer through the key-value store.
@@ -200,12 +200,11 @@ class Checkpointer:
         """
         if jax.process_count() == 1:
             return decide()
-        key = f"jaxtrain/ckpt{self._uid}/agree/{next(self._calls)}"
+        key = f"jaxtrain/barrier/{self._keys()}/agree/{next(self._calls)}"
         client = _client()
         if self._primary:
             value = decide()
             client.key_value_set(key, f"{what}={value}")
-            self._agree_keys.append(key)
             return value
         try:
             got = client.blocking_key_value_get(key, max(1, int(self.timeout_s * 1000)))
@@ -232,23 +231,29 @@ class Checkpointer:
 
     # -- public API ----------------------------------------------------------------------
 
-    def should_save(self, step: int, *, last: bool = False) -> bool:
-        """Whether to save after `step`: every_steps, every_minutes or the final step.
+    def should_save(self, step: int, *, last: bool = False, time_due: bool = False) -> bool:
+        """Whether to save after `step`: every_steps, a time-based save that is due, or the final step.
 
         Args:
           step: optimizer steps completed.
           last: True on the final step (saves when cfg.save_at_end).
+          time_due: a time-based save is due, as agreed by all processes (see `time_due`).
         Returns:
-          The same answer on every process (time is read on process 0 only).
+          The same answer on every process, with no cross-process call.
         """
         self._drain_events()
         cfg = self.cfg
         if (last and cfg.save_at_end) or (cfg.every_steps > 0 and step > 0 and step % cfg.every_steps == 0):
             return True
-        if cfg.every_minutes <= 0:
-            return False
-        due = lambda: str(time.monotonic() - self._last_save_time >= cfg.every_minutes * 60)
-        return self._agree(f"should_save {step}", due) == "True"
+        return cfg.every_minutes > 0 and time_due
+
+    def time_due(self) -> bool:
+        """This process's view: checkpoint.every_minutes have passed since the last save.
+
+        Clocks differ between hosts, so the trainer agrees on it (`preemption.HostSync`) before
+        passing it to `should_save`.
+        """
+        return self.cfg.every_minutes > 0 and time.monotonic() - self._last_save_time >= self.cfg.every_minutes * 60
 
     def save(self, step: int, state: Any, extra: Optional[dict] = None) -> bool:
         """Start saving `state` (+ JSON `extra`) as checkpoint `step`; returns when the arrays are
@@ -268,12 +273,14 @@ class Checkpointer:
         t0 = time.monotonic()
         self._join()
         self._drain_events()
+        self._generation += 1
         folder = self.directory / str(step)
         if self._agree(f"prepare {step}", lambda: self._prepare(step, folder)) == "exists":
             self._emit("checkpoint_skipped", step, reason="a committed checkpoint of this step exists")
             self._drain_events()
             return False
         self._barrier(f"save {step}")  # before the first collective: a missing host is named
+        self._forget_previous_generation()
         if not all_finite(state):
             self._emit("checkpoint_skipped", step, reason="state has non-finite values (NaN/Inf)")
             self._drain_events()
@@ -364,7 +371,13 @@ class Checkpointer:
     # -- background commit (process 0 writes the marker) ----------------------------------
 
     def _prepare(self, step: int, folder: epath.Path) -> str:
-        """Process 0, before a save: 'exists' if `step` is committed, else clear leftovers."""
+        """Process 0, before a save: 'exists' if `step` is committed, else clear leftovers.
+
+        The directory is created here, at the first save, never earlier: a run that stops on a
+        user error before its first save leaves no trace.
+        """
+        if is_local(os.fspath(self.directory)):
+            os.makedirs(os.fspath(self.directory), exist_ok=True)
         if check_checkpoint(folder)[0]:
             return "exists"
         for s, p, _ in scan(self.directory):

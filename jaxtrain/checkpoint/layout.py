@@ -6,24 +6,25 @@ See the package docstring (`jaxtrain/checkpoint/__init__.py`) for the layout and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import sys
 from typing import Callable, Optional
 
 from etils import epath
 
+from jaxtrain.arguments import Parser
+
+from jaxtrain.paths import is_remote
+
 MARKER = "commit.json"
 FORMAT = "jaxtrain-checkpoint/1"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary folder suffix (atomic rename mode)
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
-def is_local(directory: str) -> bool:
+def is_local(directory: str | os.PathLike) -> bool:
     """True for a plain filesystem path; False for a URL such as gs://bucket/x or s3://b/x."""
-    return not _URL.match(str(directory))
+    return not is_remote(directory)
 
 
 def to_path(directory: str | os.PathLike) -> epath.Path:
@@ -180,7 +181,7 @@ def main(argv: list[str]) -> int:
     Returns:
       0, or 2 when DIR does not exist.
     """
-    parser = argparse.ArgumentParser(prog="jaxtrain checkpoints",
+    parser = Parser(prog="jaxtrain checkpoints",
                                      description="List checkpoints: step, status, size, time, mesh.")
     parser.add_argument("directory", help="a run directory or its checkpoints/ folder (local or gs://, s3://)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")

@@ -11,7 +11,6 @@ so a failed or interrupted run leaves DIR as it was.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -21,6 +20,7 @@ from typing import IO, Optional
 
 import numpy as np
 
+from jaxtrain.arguments import Parser
 from jaxtrain.config import ConfigError
 from jaxtrain.data.sources import META_NAME, TEXT_SUFFIXES, resolve_paths, tokenize_files, write_meta
 from jaxtrain.data.tokenizer import load_tokenizer
@@ -55,8 +55,8 @@ class Progress:
             self.stream.flush()
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxtrain prepare-data",
+def _parser() -> Parser:
+    p = Parser(prog="jaxtrain prepare-data",
                                 description="Tokenize .txt/.jsonl files into token files for data.source=tokens.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="files, directories (their .txt and .jsonl files) or globs; a .jsonl line is a "
@@ -188,10 +188,10 @@ def main(argv: list[str]) -> int:
     """Entry point of `jaxtrain prepare-data` (argv without the subcommand).
 
     Returns:
-      0 on success. Raises ConfigError for user errors (the CLI prints it and exits 2); argparse
-      exits 2 itself on malformed flags.
+      0 on success. Raises ConfigError for user errors and malformed flags (the CLI prints one
+      line and exits 2).
     """
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # malformed flags: ConfigError, exit 2
     s = prepare(args.input, args.output, tokenizer=args.tokenizer, dtype=args.dtype, eod_id=args.eod_id,
                 text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite)
     print(f"prepare-data: wrote {s['num_tokens']:,} tokens ({s['num_documents']:,} documents from "

@@ -24,6 +24,7 @@ import dataclasses
 import glob
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -63,7 +64,8 @@ def resolve_paths(spec: str, key: str, dir_suffixes: tuple[str, ...]) -> list[Pa
     elif p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in dir_suffixes)
         if not files:
-            raise ConfigError(f"{key}: directory '{spec}' has no {' or '.join(dir_suffixes)} files")
+            raise ConfigError(f"{key}: directory '{spec}' has no {' or '.join(dir_suffixes)} files; to read files "
+                              f"with other names, pass them or a quoted glob, e.g. '{os.path.join(spec, '*.md')}'")
     elif p.is_file():
         files = [p]
     else:

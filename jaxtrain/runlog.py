@@ -1,7 +1,8 @@
-"""Numbers that show where time goes: FLOPs per step, device peaks, MFU, and the run's logs.
+"""The run's logs: metrics.jsonl, events.jsonl, TensorBoard scalars and the progress line.
 
-`RunLog` owns the run directory's metrics.jsonl, events.jsonl and TensorBoard scalars, plus the
-live progress line. Only process 0 writes; other processes get a RunLog that drops everything.
+Only process 0 writes; other processes get a RunLog that drops everything. On a terminal the
+progress line is rewritten in place; anywhere else (SLURM output files, Kubernetes logs, CI,
+`| tee`) each logged step is one plain line.
 """
 
 from __future__ import annotations
@@ -13,62 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-import jax
-import jax.numpy as jnp
-
-from jaxtrain.config import Config
-from jaxtrain.model import matmul_params
 from jaxtrain.tensorboard import ScalarWriter
-from kernels import attention_flops
-
-# Dense peak FLOP/s per device by device kind: (bf16, fp32). fp32 on GPUs means TF32 tensor cores.
-# Matched by substring of `jax.Device.device_kind`, first hit wins (so "H200" before "H100").
-PEAK_FLOPS: list[tuple[str, float, float]] = [
-    ("H200", 989e12, 494e12),
-    ("H100", 989e12, 494e12),
-    ("A100", 312e12, 156e12),
-    ("L4", 121e12, 60e12),
-    ("TPU v6", 918e12, 918e12 / 2),
-    ("TPU v5p", 459e12, 459e12 / 2),
-    ("TPU v5 lite", 197e12, 197e12 / 2),
-    ("TPU v5e", 197e12, 197e12 / 2),
-    ("TPU v4", 275e12, 275e12 / 2),
-]
-
-
-def flops_per_step(cfg: Config) -> float:
-    """Model FLOPs of one optimizer step over the global batch (forward + backward = 3x forward).
-
-    Matmuls: 6 * params * tokens (PaLM appendix B). Attention: the causal QK^T and PV matmuls,
-    counted as half the full score matrix, the same accounting the kernels use.
-    """
-    m, d = cfg.model, cfg.data
-    tokens = d.global_batch_size * d.seq_len
-    attn = attention_flops(d.global_batch_size, d.seq_len, m.num_heads, m.head_dim, causal=True)
-    return 6.0 * matmul_params(m) * tokens + 3.0 * m.num_layers * attn
-
-
-def measure_matmul_peak(dtype: Any = jnp.float32, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a plain jitted n x n matmul on the default device: the honest CPU peak."""
-    a = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
-
-
-def peak_flops_per_device(device: jax.Device, policy: str) -> tuple[float, str]:
-    """(peak FLOP/s, where the number came from) for MFU."""
-    kind = getattr(device, "device_kind", "")
-    for name, bf16, fp32 in PEAK_FLOPS:
-        if name.lower() in kind.lower():
-            return (fp32 if policy == "fp32" else bf16), f"table:{name}"
-    dtype = jnp.float32 if policy == "fp32" else jnp.bfloat16
-    return measure_matmul_peak(dtype), f"measured:{device.platform} matmul"
 
 
 class RunLog:

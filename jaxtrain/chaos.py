@@ -1,0 +1,50 @@
+"""Fault drills (`chaos.*`): failures injected on purpose, for tests and for rehearsing on a cluster.
+
+All are off by default and fire on the first attempt of a job only (`jaxtrain launch` and the
+cluster recipes count attempts in JAXTRAIN_RESTART_ATTEMPT), so a restarted job runs clean.
+Each drill that fires writes a `chaos` event first, so a run directory says what was injected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import jax
+
+from jaxtrain.config import Config
+from jaxtrain.launch import RESTART_ATTEMPT_ENV
+
+
+def restart_attempt() -> int:
+    """0 on a job's first attempt, n on its n-th restart."""
+    return int(os.environ.get(RESTART_ATTEMPT_ENV, "0") or 0)
+
+
+class Chaos:
+    """The drills of one process; the loop calls `at_start()` once and `after_step()` every step."""
+
+    def __init__(self, cfg: Config, process_index: int, event: Callable[..., None]):
+        self.cfg = cfg.chaos
+        self.process_index = process_index
+        self.event = event
+        self.armed = restart_attempt() == 0
+
+    def at_start(self) -> None:
+        """A slow start-up on `chaos.slow_process` (`chaos.start_delay_s`): processes reach the first
+        collectives at different times."""
+        c = self.cfg
+        if c.start_delay_s > 0 and self.process_index == c.slow_process:
+            time.sleep(c.start_delay_s)
+
+    def after_step(self, step: int, state: Any) -> None:
+        """Drills that act between steps: kill a process, slow one down."""
+        c = self.cfg
+        if self.armed and step == c.kill_at_step and self.process_index == c.kill_process:
+            jax.block_until_ready(state)  # the step completed, as "right after step N" promises
+            self.event("chaos", step, drill="kill", process=self.process_index)
+            os.kill(os.getpid(), signal.SIGKILL)  # die without any cleanup
+        if c.slow_seconds > 0 and self.process_index == c.slow_process:
+            time.sleep(c.slow_seconds)  # a straggler: same numerics, later

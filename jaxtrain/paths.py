@@ -1,0 +1,25 @@
+"""Local paths versus object-store URLs: the one definition of "is this path remote".
+
+Imports nothing heavy: the launcher (which never imports JAX) uses it too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for a URL such as gs://bucket/x or s3://bucket/x; False for a filesystem path."""
+    return bool(_URL.match(os.fspath(path)))
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """`base/part/...` for a local path or a URL (os.path.join would mangle nothing, but Path('gs://b')
+    collapses the double slash)."""
+    out = os.fspath(base).rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
