@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from jaxtrain.config import Config, save_config
 from jaxtrain.tensorboard import ScalarWriter
 
 
@@ -26,11 +27,16 @@ class RunLog:
         self._tty = bool(console is not None and hasattr(console, "isatty") and console.isatty())
         self._tb = None
         if self.enabled:
-            out = Path(output_dir)
+            out = self.output_dir = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
             self._metrics = open(out / "metrics.jsonl", "a", buffering=1)
             self._events = open(out / "events.jsonl", "a", buffering=1)
             self._tb = ScalarWriter(out / "tensorboard")
+
+    def write_config(self, cfg: Config) -> None:
+        """The resolved config as `config.yaml` (what a resumed or exported run is read back with)."""
+        if self.enabled:
+            save_config(cfg, self.output_dir / "config.yaml")
 
     def event(self, kind: str, step: int, **details: Any) -> None:
         if not self.enabled:

@@ -31,7 +31,7 @@ import kernels
 from jaxtrain import __version__
 from jaxtrain.chaos import Chaos
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
-from jaxtrain.config import Config, ConfigError, save_config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
 from jaxtrain.evaluation import Evaluator, PendingEval
 from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART
@@ -134,11 +134,8 @@ class Trainer:
                 self._event("init_from", 0, path=cfg.checkpoint.init_from)
 
         # Only now, with every user error behind us, does anything reach the disk.
-        primary = self.process_index == 0 and write_files
-        if primary:
-            Path(self.output_dir).mkdir(parents=True, exist_ok=True)
-            save_config(cfg, Path(self.output_dir) / "config.yaml")
-        self.log = RunLog(str(self.output_dir), console=console, enabled=primary)
+        self.log = RunLog(str(self.output_dir), console=console, enabled=self.process_index == 0 and write_files)
+        self.log.write_config(cfg)
         for kind, step, details in self._queued_events:
             self.log.event(kind, step, **details)
         self._queued_events = []
