@@ -1,0 +1,190 @@
+"""Files of a Hugging Face model directory: safetensors (lazy reads, sharded writes), config.json,
+tokenizer files, and output directories that appear whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.hf.mapping import hf_shapes
+
+HF_CONFIG = "hf_config.json"  # the source's config.json, kept beside an import
+# Tokenizer (and generation) files copied through on import and export when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+DTYPES = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+
+# ----------------------------------------------------------------------------- safetensors files
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a directory of safetensors files (one file or an index)."""
+
+    def __init__(self, src: Path, stack: contextlib.ExitStack):
+        from safetensors import safe_open  # import here: only import/export need it
+
+        index = src / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in src.glob("*.safetensors"))
+        if not files:
+            hint = " (PyTorch .bin files are pickles and are not read; save with safetensors)" if any(
+                src.glob("*.bin")) else ""
+            raise ConfigError(f"'{src}' holds no *.safetensors weights{hint}")
+        self.files = files
+        self.location: dict[str, Any] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, str] = {}
+        for name in files:
+            path = src / name
+            if not path.is_file():
+                raise ConfigError(f"'{path}' is named in the safetensors index but does not exist")
+            try:
+                handle = stack.enter_context(safe_open(os.fspath(path), framework="numpy"))
+            except Exception as e:  # safetensors raises its own error types for damaged headers
+                raise ConfigError(f"'{path}' is not a readable safetensors file ({type(e).__name__}: {e})") from None
+            for key in handle.keys():
+                sl = handle.get_slice(key)
+                self.location[key] = handle
+                self.shape[key] = tuple(sl.get_shape())
+                self.dtype[key] = sl.get_dtype()
+
+    def get(self, name: str) -> np.ndarray:
+        return self.location[name].get_tensor(name)
+
+
+def check_tensors(reader: SafetensorsReader, m: ModelConfig) -> str:
+    """Raise ConfigError unless the files hold exactly the tensors of this model; returns the
+    source dtype ('fp32', 'bf16', 'fp16' or 'mixed')."""
+    expected = hf_shapes(m)
+    # Buffers that old checkpoints saved and that carry no information we need.
+    ignorable = re.compile(r"(.*\.rotary_emb\.inv_freq|lm_head\.weight)$")
+    for name, shape in expected.items():
+        if name not in reader.shape:
+            raise ConfigError(f"tensor '{name}' is missing from the safetensors files")
+        if reader.shape[name] != shape:
+            raise ConfigError(f"tensor '{name}' has shape {list(reader.shape[name])}; config.json implies {list(shape)}")
+    extra = sorted(n for n in reader.shape if n not in expected and not ignorable.match(n))
+    if extra:
+        raise ConfigError(f"tensor '{extra[0]}' has no place in jaxtrain's Llama model"
+                          f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
+    kinds = set()
+    for name in expected:
+        kind = SAFETENSORS_DTYPES.get(reader.dtype[name])
+        if kind is None:
+            raise ConfigError(f"tensor '{name}' has dtype {reader.dtype[name]}; only F32, BF16 and F16 can be imported")
+        kinds.add(kind)
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units, as transformers' max_shard_size)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--max-shard-size '{text}' is not a size like 5GB, 500MB or 1000000")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    value = int(float(match.group(1)) * scale)
+    if value <= 0:
+        raise ConfigError(f"--max-shard-size '{text}' must be positive")
+    return value
+
+
+def write_safetensors(tensors: list[tuple[str, np.ndarray]], dst: Path, max_shard_bytes: int) -> list[str]:
+    """Write `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus
+    `model.safetensors.index.json` when the total exceeds `max_shard_bytes`. Returns file names."""
+    from safetensors.numpy import save_file
+
+    shards: list[list[tuple[str, np.ndarray]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:  # a tensor over the limit gets a shard alone
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += t.nbytes
+    meta = {"format": "pt"}  # transformers refuses safetensors files without a known format
+    if len(shards) == 1:
+        save_file(dict(shards[0]), os.fspath(dst / "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(dict(shard), os.fspath(dst / file), metadata=meta)
+        names.append(file)
+        weight_map.update({name: file for name, _ in shard})
+    total = sum(t.nbytes for _, t in tensors)
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return names + ["model.safetensors.index.json"]
+
+
+# ----------------------------------------------------------------------------- directories
+
+
+def fresh_output(path: str) -> tuple[Path, Path]:
+    """(final, temporary) paths for an output directory that must not exist or be empty.
+
+    Everything is written into the temporary sibling and renamed at the end, so a failure
+    leaves no half-written output behind and existing files are never touched.
+    """
+    out = Path(path).expanduser().absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output '{path}' already exists and is not an empty directory; choose a new one")
+    if not out.parent.is_dir():
+        raise ConfigError(f"the parent folder of output '{path}' does not exist")
+    return out, out.parent / f".{out.name}.partial-{os.getpid()}"
+
+
+def finish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()  # checked empty above; rename needs it gone (or empty) on every platform
+    os.replace(tmp, out)
+
+
+@contextlib.contextmanager
+def writing(tmp: Path) -> Iterator[Path]:
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def read_hf_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"'{src}' has no config.json (expected a Hugging Face model directory)")
+    try:
+        hf = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"'{path}' is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"'{path}' must hold a JSON object")
+    return hf

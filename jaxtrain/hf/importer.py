@@ -1,0 +1,100 @@
+"""`jaxtrain import-hf SRC --output DIR`: a Hugging Face Llama directory -> a jaxtrain directory."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import yaml
+
+from jaxtrain.config import ConfigError, from_dict
+from jaxtrain.hf.files import (HF_CONFIG, SafetensorsReader, check_tensors, copy_tokenizer, finish, fresh_output,
+                               read_hf_config, writing)
+from jaxtrain.hf.mapping import model_section_from_hf, params_from_hf
+
+
+def import_hf(source: str, output: str) -> dict:
+    """Convert a Hugging Face Llama directory into a jaxtrain directory (layout: see `jaxtrain.hf`).
+
+    Args:
+      source: directory with config.json and *.safetensors (plus tokenizer files, optional).
+      output: new directory (must not exist, or be empty).
+    Returns:
+      Summary: output, num_params, source_dtype, files (safetensors read), tokenizer (files copied).
+    Raises:
+      ConfigError: missing/invalid source, a field or tensor jaxtrain cannot represent, or an
+        existing output. Raised before anything is written.
+    """
+    src = Path(source).expanduser()
+    if not src.is_dir():
+        raise ConfigError(f"import-hf source '{source}' does not exist or is not a directory")
+    hf = read_hf_config(src)
+    model = model_section_from_hf(hf)
+    out, tmp = fresh_output(output)
+    tokenizer = out / "tokenizer.json" if (src / "tokenizer.json").is_file() else None
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", src.absolute().name) or "hf"
+    cfg = from_dict({
+        "run": {"name": name, "output_dir": f"runs/{name}"},
+        "model": model,
+        "data": {"seq_len": min(128, model["max_seq_len"]),
+                 **({"tokenizer": os.fspath(tokenizer)} if tokenizer else {})},
+        # A run from this config starts from the imported weights unless told otherwise.
+        "checkpoint": {"init_from": os.fspath(out)},
+    })
+    with contextlib.ExitStack() as stack:
+        reader = SafetensorsReader(src, stack)
+        source_dtype = check_tensors(reader, cfg.model)
+        params = params_from_hf(reader.get, cfg.model)
+        files = reader.files
+    num_params = sum(x.size for x in _leaves(params))
+    with writing(tmp):
+        header = (f"# Imported from {src.absolute()} by `jaxtrain import-hf` ({num_params:,} parameters).\n"
+                  f"# Train: jaxtrain train --config {out / 'config.yaml'} data.source=... run.output_dir=...\n")
+        (tmp / "config.yaml").write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        copied = copy_tokenizer(src, tmp)
+        _save_params(tmp / "checkpoints", params, {"source": os.fspath(src.absolute()), "source_dtype": source_dtype})
+        finish(tmp, out)
+    return {"output": os.fspath(out), "num_params": num_params, "source_dtype": source_dtype,
+            "files": files, "tokenizer": copied}
+
+
+def _leaves(tree: dict) -> Iterator[np.ndarray]:
+    for v in tree.values():
+        if isinstance(v, dict):
+            yield from _leaves(v)
+        else:
+            yield v
+
+
+def _save_params(directory: Path, params: dict, extra: dict) -> None:
+    """Write `{"params": params}` as committed checkpoint 0 with jaxtrain's Checkpointer, so
+    restore_params_only, `jaxtrain checkpoints` and discovery treat it like any other."""
+    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.config import CheckpointConfig
+
+    with Checkpointer(os.fspath(directory), CheckpointConfig(async_save=False)) as ckpt:
+        if not ckpt.save(0, {"params": params}, {"hf_import": extra}):
+            raise ConfigError("the source weights hold NaN or Inf values; nothing was imported")
+
+
+def main(argv: list[str]) -> int:
+    """`jaxtrain import-hf SRC --output DIR` (argv without the subcommand). Returns 0; user errors
+    raise ConfigError (the CLI prints one line and exits 2)."""
+    parser = argparse.ArgumentParser(prog="jaxtrain import-hf",
+                                     description="Convert a Hugging Face Llama checkpoint (safetensors) "
+                                                 "into a jaxtrain checkpoint plus config.yaml.")
+    parser.add_argument("source", help="Hugging Face model directory (config.json + *.safetensors)")
+    parser.add_argument("--output", required=True, help="new directory to write (must not exist or be empty)")
+    args = parser.parse_args(argv)
+    s = import_hf(args.source, args.output)
+    print(f"import-hf: {s['num_params']:,} parameters ({s['source_dtype']} -> fp32) from {len(s['files'])} "
+          f"safetensors file(s) into {s['output']}; copied {', '.join(s['tokenizer']) or 'no tokenizer files'}. "
+          f"Start a run with: jaxtrain train --config {s['output']}/config.yaml run.output_dir=...")
+    return 0
