@@ -249,6 +249,18 @@ def test_pallas_kernels_lower_for_accelerators(monkeypatch, platform):
             pytest.skip("this JAX's Mosaic has no get_device_kind/get_num_device_cores to stand in for")
         monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5e")
         monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    else:
+        # Newer JAX (0.12) asks the default device for its GPU generation; pretend to be an H200.
+        try:
+            from jax._src.pallas.triton import gpu_info
+        except ImportError:  # older JAX lowers for GPU without asking
+            gpu_info = None
+        if gpu_info is not None and hasattr(gpu_info, "get_device_kind"):
+            monkeypatch.setattr(gpu_info, "get_device_kind", lambda: "NVIDIA H200")
+            if hasattr(gpu_info, "get_device_platform"):
+                monkeypatch.setattr(gpu_info, "get_device_platform", lambda: "gpu")
+            if hasattr(gpu_info.get_gpu_info, "cache_clear"):
+                gpu_info.get_gpu_info.cache_clear()
     B, L, N, K, H = 1, 1000, 4, 2, 128
     q = jax.ShapeDtypeStruct((B, L, N, H), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, L, K, H), jnp.bfloat16)
