@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -187,7 +189,7 @@ def test_train_from_import_then_export_loads_in_transformers(mesh, tied, tmp_pat
 
 
 def test_round_trip_fp32_is_bitwise_and_keeps_config_and_tokenizer(plain, tmp_path):
-    imported, exported, sharded = tmp_path / "imported", tmp_path / "exported", tmp_path / "sharded"
+    imported, exported, sharded = tmp_path / "imported", tmp_path / "new" / "exported", tmp_path / "sharded"
     assert run_cli("import-hf", plain, "--output", imported) == 0
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (imported / name).read_bytes() == (plain / name).read_bytes()
@@ -205,8 +207,12 @@ def test_round_trip_fp32_is_bitwise_and_keeps_config_and_tokenizer(plain, tmp_pa
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (exported / name).read_bytes() == (plain / name).read_bytes()
 
-    # Sharded output: an index plus shards that transformers loads into the same model.
-    assert run_cli("export-hf", imported, "--output", sharded, "--max-shard-size", "20KB") == 0
+    # Sharded output: an index plus shards that transformers loads into the same model. Through
+    # the installed entry point in a fresh process this time (JAX kept on the CPU by the command).
+    done = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "export-hf", str(imported), "--output", str(sharded),
+                           "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "export-hf: step 0 as fp32" in done.stdout
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and sorted(index["weight_map"]) == sorted(source)
     assert not (sharded / "model.safetensors").exists()

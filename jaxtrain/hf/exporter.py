@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -125,6 +126,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-shard-size", default="5GB",
                         help="split the weights into shards with an index above this size (default 5GB)")
     args = parser.parse_args(argv)
+    # Conversion is host work: keep JAX off an accelerator that a training job may be using.
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     s = export_hf(args.run_dir, args.output, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"export-hf: step {s['step']} as {s['dtype']} into {s['output']} ({len(s['files'])} file(s)); "
           f"copied {', '.join(s['tokenizer']) or 'no tokenizer files'}")

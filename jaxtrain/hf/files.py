@@ -147,12 +147,16 @@ def fresh_output(path: str) -> tuple[Path, Path]:
     out = Path(path).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output '{path}' already exists and is not an empty directory; choose a new one")
-    if not out.parent.is_dir():
-        raise ConfigError(f"the parent folder of output '{path}' does not exist")
+    ancestor = out.parent  # missing parents are made when writing starts (like mkdir -p)
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"output '{path}' cannot be made: '{ancestor}' is a file")
     return out, out.parent / f".{out.name}.partial-{os.getpid()}"
 
 
 def finish(tmp: Path, out: Path) -> None:
+    """Move the finished temporary directory to its final name."""
     if out.exists():
         out.rmdir()  # checked empty above; rename needs it gone (or empty) on every platform
     os.replace(tmp, out)
@@ -160,6 +164,8 @@ def finish(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def writing(tmp: Path) -> Iterator[Path]:
+    """Create `tmp` (and missing parents); remove it again if the body fails."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
         yield tmp

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -93,6 +94,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("source", help="Hugging Face model directory (config.json + *.safetensors)")
     parser.add_argument("--output", required=True, help="new directory to write (must not exist or be empty)")
     args = parser.parse_args(argv)
+    # Conversion is host work: keep JAX off an accelerator that a training job may be using.
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     s = import_hf(args.source, args.output)
     print(f"import-hf: {s['num_params']:,} parameters ({s['source_dtype']} -> fp32) from {len(s['files'])} "
           f"safetensors file(s) into {s['output']}; copied {', '.join(s['tokenizer']) or 'no tokenizer files'}. "
