@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,13 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.global_batch_size=6"], "not divisible by the 4-way data parallelism"),
     (["mesh.data=1", "mesh.tensor=8"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
     (["data.source=tokens", "data.path=/nonexistent/corpus.bin"], "/nonexistent/corpus.bin"),
+    (["chaos.kill_at_step=3", "chaos.kill_process=1"], "chaos.kill_process=1 names no process of this job"),
+    (["chaos.slow_seconds=0.1", "chaos.slow_process=2"], "chaos.slow_process=2 names no process"),
+    (["mesh.rules={lenght: data}"], "unknown logical axis 'lenght'; did you mean 'length'?"),
+    (["model.attention=pallas", "mesh.data=2", "mesh.fsdp=4", "mesh.rules={length: fsdp}"],
+     "each shard would attend only within its chunk"),
+    (["model.attention=pallas", "mesh.data=4", "mesh.tensor=2", "mesh.rules={kv_heads: null}"],
+     "both must map to the same mesh axes"),
 ])
 def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"
@@ -94,3 +102,48 @@ def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides
 def test_missing_config_file_exits_2(tmp_path):
     result = jaxtrain("train", "--config", str(tmp_path / "nope.yaml"), cwd=tmp_path)
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_overrides_may_stand_before_and_after_flags(tmp_path):
+    out = tmp_path / "run"
+    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), "train.steps=2", "--cpu-devices", "2",
+                      f"run.output_dir={out}", "mesh.data=2", "train.log_every=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert load_config(out / "config.yaml").mesh.data == 2
+    # stdout is a pipe here, not a terminal: one plain line per logged step, no carriage returns.
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1", "2"] and "\r" not in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cpu-devices", "0"], "--cpu-devices must be at least 1, got 0"),
+    (["--cpu-devices", "two"], "invalid int value"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, args, message):
+    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={tmp_path / 'r'}",
+                      *args, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_output_dir_naming_a_file_exits_2_and_leaves_it_alone(tmp_path):
+    path = tmp_path / "not_a_dir"
+    path.write_text("precious")
+    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={path}",
+                      "--cpu-devices", "1", cwd=tmp_path)
+    assert result.returncode == 2 and "is an existing file, not a directory" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and path.read_text() == "precious"
+
+
+def test_inspect_works_from_shapes_alone_without_data(tmp_path):
+    """The README's inspect line: llama3-8b's data path does not exist here, and nothing is allocated
+    (its 2-layer, 1.49-billion-parameter state is 18 GB in fp32 with Adam's moments)."""
+    result = jaxtrain("inspect", "--config", str(REPO / "configs/llama3-8b.yaml"), "--json", "model.num_layers=2",
+                      "--cpu-devices", "8", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["params"] > 1.4e9 and report["flops_per_step"] > 0 and report["mesh"]["fsdp"] == 8
+    # fp32 parameters and both Adam moments, each split 8 ways: the arguments are an eighth of the state.
+    state_bytes = 4 * report["params"] * 3
+    assert state_bytes / 8 <= report["memory_bytes_per_device"]["arguments"] <= 1.01 * state_bytes / 8

@@ -223,6 +223,28 @@ def test_close_stops_the_prefetch_thread(corpus_dir):
     assert isinstance(it.last_wait_s, float) and it.last_wait_s >= 0 and it.entropy_floor is None
 
 
+def test_an_unclosed_iterator_is_collected_and_its_thread_stops(corpus_dir):
+    """Nothing the prefetch thread runs may refer back to the iterator, or dropping the last
+    reference would leave it (and its thread) alive until the interpreter exits."""
+    import gc
+    import weakref
+
+    def prefetch_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("grain-thread-prefetch") and t.is_alive()]
+
+    before = len(prefetch_threads())
+    it = build_train_data(cfg_for(corpus_dir, "data.prefetch=2"))
+    next(it)
+    alive = weakref.ref(it)
+    del it
+    gc.collect()
+    assert alive() is None
+    deadline = time.time() + 10
+    while len(prefetch_threads()) > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(prefetch_threads()) == before
+
+
 # ----------------------------------------------------------------------------- eval
 
 

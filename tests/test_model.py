@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +83,34 @@ def test_segment_ids_block_attention_across_documents():
     np.testing.assert_allclose(logits[0, :6], alone_a[0], rtol=1e-5, atol=1e-5)
     # Without segment ids the second document would see the first: the check above can fail.
     assert not np.allclose(model(packed, positions)[0, 6:], alone_b[0], atol=1e-4)
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_initial_loss_is_near_ln_vocab_for_every_shipped_config(path):
+    """The output projection starts small (logits std model.LOGIT_STD): the first loss is ~ln(vocab),
+    not the ln(vocab) + 45**2/2 a unit-variance tied table used to give. Depth, MLP and vocabulary
+    are shrunk to fit the test (the initial logits' scale depends on d_model only); d_model, heads
+    and tying are the config's own."""
+    import math
+    from jaxtrain.model import LOGIT_STD
+    cfg = load_config(path)
+    vocab = min(cfg.model.vocab_size, 4096)
+    cfg = cfg.with_overrides("model.num_layers=1", f"model.vocab_size={vocab}", f"model.mlp_dim={min(cfg.model.mlp_dim, 512)}",
+                             "data.source=markov", "data.path=null", f"data.markov_states={min(64, vocab)}",
+                             "data.seq_len=128", "data.global_batch_size=4", "model.attention=xla",
+                             "precision.policy=fp32", "train.grad_accum=1")
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 129), 0, vocab)  # 512 targets: the mean is within ~0.02
+    logits = model(tokens[:, :-1])
+    loss = float(jnp.mean(optax_ce(logits, tokens[:, 1:])))
+    expected = math.log(vocab) + LOGIT_STD ** 2 / 2
+    assert abs(loss - expected) <= 0.1, (path.name, loss, expected)
+    assert 0.5 * LOGIT_STD <= float(jnp.std(logits)) <= 1.5 * LOGIT_STD
+
+
+def optax_ce(logits, targets):
+    import optax
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxtrain.config import load_config
@@ -89,3 +91,50 @@ def test_notebook_flow_step_save_model_and_resume(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(again.state["params"]), params)
     assert again.fit()["step"] == 5
     again.close()
+
+
+def small_cfg(tmp_path, *extra: str):
+    return load_config(TINY, [f"run.output_dir={tmp_path}", "checkpoint.compilation_cache_dir=null",
+                              "model.num_layers=1", "data.global_batch_size=4", "data.seq_len=16", *extra])
+
+
+def test_eval_loss_at_step_n_is_of_step_n_parameters(tmp_path):
+    """The loop queues step N+1 before it logs step N; the evaluation must still see step N's parameters."""
+    devices = jax.devices()[:1]
+    manual = Trainer(small_cfg(tmp_path / "a", "train.steps=3", "train.eval_every=2"), write_files=False, devices=devices)
+    for _ in range(3):
+        manual.step()
+    at_3 = manual.evaluate()
+    fitted = Trainer(small_cfg(tmp_path / "b", "train.steps=3", "train.eval_every=2", "train.log_every=1"), devices=devices)
+    fitted.fit()
+    fitted.close()
+    logged = {m["step"]: m.get("eval_loss") for m in read_jsonl(tmp_path / "b" / "metrics.jsonl")}
+    reference = Trainer(small_cfg(tmp_path / "c", "train.steps=3", "train.eval_every=2"), write_files=False, devices=devices)
+    reference.step(), reference.step()
+    at_2 = reference.evaluate()
+    assert logged[2] == at_2 and logged[2] != at_3, (logged, at_2, at_3)
+    assert logged[1] is None and logged[3] is None
+
+
+def test_model_is_a_copy_that_survives_later_steps(tmp_path):
+    trainer = Trainer(small_cfg(tmp_path, "train.steps=4"), write_files=False, devices=jax.devices()[:1])
+    trainer.step()
+    model = trainer.model()
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    before = np.asarray(model(tokens))
+    trainer.fit()  # donates the state's buffers twice over
+    np.testing.assert_array_equal(np.asarray(model(tokens)), before)  # still usable, still step 1's parameters
+    assert not np.array_equal(np.asarray(trainer.model()(tokens)), before)
+
+
+def test_rng_advances_every_step_as_a_fold_of_the_step_number(tmp_path):
+    trainer = Trainer(small_cfg(tmp_path, "train.steps=3"), write_files=False, devices=jax.devices()[:1])
+    keys = [np.asarray(jax.device_get(trainer.state["rng"]))]
+    for _ in range(3):
+        trainer.step()
+        keys.append(np.asarray(jax.device_get(trainer.state["rng"])))
+    assert len({k.tobytes() for k in keys}) == 4  # a new key every step
+    expected = jax.random.key(trainer.cfg.run.seed)
+    for step in range(3):
+        expected = jax.random.fold_in(expected, step)
+        np.testing.assert_array_equal(keys[step + 1], np.asarray(jax.random.key_data(expected)))

@@ -43,6 +43,25 @@ class _Holder:
             it.close()
 
 
+class _Rows:
+    """Builds this process's rows of a global batch. The prefetch thread's map function holds this,
+    not the PackedData: were it to hold the PackedData, the running iterator would keep it alive, the
+    finalizer that closes the iterator would never run, and every unclosed iterator and its thread
+    would live until exit."""
+
+    def __init__(self, samples: grain.MapDataset, row0: int, local_batch: int, padding: dict):
+        self.samples, self.row0, self.local_batch, self.padding = samples, row0, local_batch, padding
+
+    def batch(self, first_sample: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch that starts at global sample `first_sample`."""
+        rows = []
+        for r in range(self.local_batch):
+            g = first_sample + self.row0 + r
+            # Past the end of a non-repeating source (eval): padding, which the loss ignores.
+            rows.append(self.samples[g] if g < len(self.samples) else self.padding)
+        return {k: np.stack([row[k] for row in rows]) for k in FIELDS}
+
+
 class PackedData:
     """This process's rows of each global batch of packed sequences (see the module docstring).
 
@@ -74,8 +93,7 @@ class PackedData:
             ds = ds.shuffle(seed=seed)
         if repeat:
             ds = ds.repeat()  # reshuffles each epoch (the shuffle's seed moves with the epoch)
-        self._samples = ds
-        self._padding = padding_row(self.seq_len)
+        self._rows = _Rows(ds, self.row0, self.local_batch, padding_row(self.seq_len))
         self.next_sample = 0
         self.last_wait_s = 0.0
         self.entropy_floor: Optional[float] = None
@@ -87,18 +105,9 @@ class PackedData:
 
     # ------------------------------------------------------------------ building batches
 
-    def _local_batch(self, first_sample: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global batch that starts at global sample `first_sample`."""
-        rows = []
-        for r in range(self.local_batch):
-            g = first_sample + self.row0 + r
-            # Past the end of a non-repeating source (eval): padding, which the loss ignores.
-            rows.append(self._samples[g] if g < len(self._samples) else self._padding)
-        return {k: np.stack([row[k] for row in rows]) for k in FIELDS}
-
     def _start(self) -> None:
-        g0, B = self.next_sample, self.global_batch
-        batches = grain.MapDataset.range(0, sys.maxsize).map(lambda k: self._local_batch(g0 + k * B))
+        g0, B, rows = self.next_sample, self.global_batch, self._rows  # no `self` in the lambda (see _Rows)
+        batches = grain.MapDataset.range(0, sys.maxsize).map(lambda k: rows.batch(g0 + k * B))
         it = batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         if self.prefetch > 0:
             it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=self.prefetch)
