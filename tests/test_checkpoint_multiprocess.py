@@ -72,6 +72,15 @@ def test_two_processes_save_and_restore_across_process_counts(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_coordination_keys_do_not_grow_with_checkpoints(tmp_path):
+    """Barrier and agreement keys live in the coordinator's memory until deleted: after 6 saves the
+    store holds no more keys than after 2."""
+    outputs = run_workers("keys", str(tmp_path / "ck"))
+    after_2, after_6 = map(int, outputs[0].split("KEYS ", 1)[1].split()[:2])
+    assert 0 < after_6 <= after_2, (after_2, after_6)
+
+
+@pytest.mark.multiprocess
 def test_barrier_timeout_names_the_missing_process(tmp_path):
     outputs = run_workers("absent", str(tmp_path))
     assert "TIMEOUT" in outputs[0], outputs[0][-3000:]
@@ -95,7 +104,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         print("RESTORED OK", flush=True)
 
         ck2 = Checkpointer(dirs[1], cfg(every_minutes=1e-9), on_event=events)
-        assert ck2.should_save(1)  # time-based: decided on process 0, agreed by both
+        assert ck2.should_save(1, time_due=ck2.time_due())  # time-based (the trainer agrees on time_due)
         mesh = mesh_of(1, 4, 2)
         ck2.save(7, to_device(host_state(seed=7), mesh), {"from": "2x4"})
         ck2.wait()
@@ -109,6 +118,22 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         assert not ck2.save(8, to_device(bad, mesh), {})
         ck2.wait()
         print(f"SAVED OK events={[k for k, _, _ in events]}", flush=True)
+
+    elif mode == "keys":
+        from jaxtrain.checkpoint.multihost import client
+        ck = Checkpointer(dirs[0], cfg(keep_last=2))
+        mesh = mesh_of(1, 4, 2)
+
+        def save_some(steps):
+            for step in steps:
+                ck.save(step, to_device(host_state(seed=step), mesh), {})
+                ck.latest_step()
+            ck.wait()
+            return len(client().key_value_dir_get("jaxtrain/"))
+
+        after_2, after_6 = save_some(range(1, 3)), save_some(range(3, 7))
+        print(f"KEYS {after_2} {after_6}", flush=True)
+        ck.close()
 
     elif mode == "absent":
         done = os.path.join(dirs[0], "done")

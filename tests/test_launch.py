@@ -310,3 +310,53 @@ def test_sigterm_to_a_two_process_job_saves_once_and_exits_75(tmp_path, child_en
     stopped = next(e for e in events if e["kind"] == "preempted")["step"]
     assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [stopped] and stopped >= 3
     assert not any(e["kind"] == "restart" for e in events)
+
+
+def _child_with_process_id(launcher_pid: int, process_id: int) -> int:
+    """The pid of the launcher's child that runs JAXTRAIN_PROCESS_ID=process_id (from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"JAXTRAIN_PROCESS_ID") == str(process_id).encode():
+            return int(entry)
+    raise AssertionError(f"no child with JAXTRAIN_PROCESS_ID={process_id}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_the_job_together_and_it_resumes(tmp_path, child_env):
+    """One host preempted: only process 1 gets SIGTERM. Both processes stop after the same step (agreed
+    at a sync point), write one emergency checkpoint together, exit 75; the launcher restarts the job,
+    which resumes from that checkpoint and finishes without losing or repeating a step."""
+    out = tmp_path / "run"
+    cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+         "--max-restarts", "1", "--", "train", "--config", str(TINY), *TINY_OVERRIDES, cache,
+         f"run.output_dir={out}", "train.steps=40", "train.host_sync_every=2", "chaos.slow_seconds=0.2",
+         "chaos.slow_process=0"],
+        cwd=tmp_path, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while len(read_jsonl(out / "metrics.jsonl")) < 4 and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.1)
+    os.kill(_child_with_process_id(launcher.pid, 1), signal.SIGTERM)
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    stopped = [e["step"] for e in events if e["kind"] == "preempted"]
+    assert len(stopped) == 1 and 4 <= stopped[0] < 40, events
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
+    assert saved == [stopped[0], 40]  # the emergency checkpoint, then the final one
+    assert [e["kind"] for e in events].count("restart") == 1
+    assert next(e for e in events if e["kind"] == "resume")["restored_step"] == stopped[0]
+    steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert sorted(set(steps)) == list(range(1, 41)) and len(steps) == 40  # no step lost, none run twice
