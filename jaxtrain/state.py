@@ -75,11 +75,16 @@ class StateLayout:
         return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                         sharding=self.batch_sharding) for k in BATCH_KEYS}
 
-    def jit_train_step(self) -> Callable:
-        """The train step jitted with explicit in/out shardings and the state donated."""
-        step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules)
+    def jit_train_step(self, return_grads: bool = False) -> Callable:
+        """The train step jitted with explicit in/out shardings and the state donated.
+
+        `return_grads` adds the applied gradients as a third output (sharded like the parameters).
+        """
+        step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules,
+                                  return_grads=return_grads)
+        out = (self.state_shardings, self.replicated) + ((self.param_shardings,) if return_grads else ())
         return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                       out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+                       out_shardings=out, donate_argnums=0)
 
     def lower_train_step(self) -> jax.stages.Lowered:
         """The train step lowered from shapes alone (no arrays, no data)."""

@@ -15,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.checkpoint import restore_params_only
+from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
+from trees import assert_trees_equal
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/tiny.yaml")
@@ -39,10 +40,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def final_params(out: Path) -> dict:
+def final_state(out: Path) -> dict:
+    """The whole train state of the run's latest checkpoint: parameters, optimizer, step and RNG."""
     cfg = load_config(out / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
     trainer = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
-    return jax.device_get(restore_params_only(str(out), trainer.abstract_state()["params"]))
+    checkpoints = Checkpointer(str(out / "checkpoints"), cfg.checkpoint)
+    state, _ = checkpoints.restore(checkpoints.latest_step(), trainer.abstract_state())
+    checkpoints.close()
+    return jax.device_get(state)
 
 
 def losses_by_step(out: Path) -> dict[int, float]:
@@ -67,9 +72,7 @@ def assert_same_run(resumed: Path, reference: Path, after_step: int) -> None:
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(after_step + 1, STEPS + 1):
         assert got[step] == ref[step], (step, got[step], ref[step])  # bitwise, not approximately
-    a, b = final_params(resumed), final_params(reference)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b)):
-        assert np.array_equal(x, y), jax.tree_util.keystr(path)
+    assert_trees_equal(final_state(resumed), final_state(reference))
 
 
 @pytest.mark.slow

@@ -70,7 +70,10 @@ def test_tiny_config_reaches_the_entropy_floor(tmp_path):
     losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
     final = sum(losses[-3:]) / 3  # one batch's loss is noisy; average the last three logs
     assert losses[0] - floor > 1.0  # it started far away...
-    assert final - floor <= 0.15, (final, floor)  # ...and learned the chain
+    # ...and learned the chain: within the margin configs/tiny.yaml and the README state. Below the
+    # floor is as wrong as above it: no model can beat the chain's entropy, one that sees the
+    # future (a causal-mask leak) can.
+    assert -0.05 <= final - floor <= 0.10, (final, floor)
 
 
 def test_notebook_flow_step_save_model_and_resume(tmp_path):
