@@ -88,11 +88,14 @@ def advance_rng(rng: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    mesh: Mesh | None = None, rules: Rules | None = None) -> Callable[[State, Batch], tuple[State, dict]]:
+                    mesh: Mesh | None = None, rules: Rules | None = None,
+                    return_grads: bool = False) -> Callable[[State, Batch], tuple[State, dict]]:
     """Build the pure train step (not yet jitted: the trainer adds shardings and donation).
 
     Loss is the mean over all counted tokens of the global batch, however it is split into
-    `train.grad_accum` microbatches, so accumulation equals one big batch.
+    `train.grad_accum` microbatches, so accumulation equals one big batch. With `return_grads`
+    the step returns (state, metrics, grads): the very gradients it applied, for tests that
+    compare layouts and kernels on what the step computes rather than on a separate function.
     """
     schedule = learning_rate_schedule(cfg)
     accum = cfg.train.grad_accum
@@ -119,12 +122,12 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         metrics = {"loss": loss_total / denom, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state["step"]), "tokens": tokens,
                    "loss_scale": jnp.float32(1.0), "skipped": jnp.bool_(False)}
-        return new_state, metrics
+        return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 
     if mesh is None:
         return step
 
-    def step_with_rules(state: State, batch: Batch) -> tuple[State, dict]:
+    def step_with_rules(state: State, batch: Batch):
         with use_rules(mesh, rules):
             return step(state, batch)
     return step_with_rules
