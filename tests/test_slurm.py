@@ -19,8 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs/tiny.yaml"
 
+# Where CI could install SLURM (.ci/run sets JAXTRAIN_REQUIRE_SLURM=1 after starting it), a missing
+# cluster is a failure; elsewhere (a laptop, a machine without root) the test says what is missing.
+REQUIRED = os.environ.get("JAXTRAIN_REQUIRE_SLURM") == "1"
 pytestmark = pytest.mark.skipif(
-    shutil.which("srun") is None, reason="SLURM not installed (run tpu_gpu_setup/slurm_local/start_local_slurm.sh)")
+    shutil.which("srun") is None and not REQUIRED,
+    reason="no SLURM cluster on this machine (start one: sudo tpu_gpu_setup/slurm_local/start_local_slurm.sh)")
 
 
 @pytest.mark.multiprocess
