@@ -64,7 +64,7 @@ class MeshConfig:
     # logical axis -> mesh axis (or list of mesh axes, or null = replicated). This one table
     # decides every parameter and activation sharding in the model.
     rules: dict = dataclasses.field(default_factory=lambda: {
-        "batch": ["data", "fsdp"],
+        "batch": ["data", "stage", "fsdp"],  # outside the pipeline stage devices split the batch too
         "length": None,
         "embed": "fsdp",
         "vocab": "tensor",
@@ -72,9 +72,17 @@ class MeshConfig:
         "heads": "tensor",
         "kv_heads": "tensor",
         "head_dim": None,
-        "layers": None,
+        "layers": "stage",  # the stacked layers: pipeline stages split them (jaxtrain/pipeline.py)
         "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
     })
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline stages over the `stage` mesh axis; used only when mesh.stage > 1 (docs/pipeline.md)."""
+
+    microbatches: int = 1  # microbatches each step's batch (each grad-accum microbatch) is cut into; >= mesh.stage
+    repeats: int = 1  # layer groups per stage: 1 = GPipe, R > 1 = circular; bubble (S-1)/(R*M+S-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +132,28 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    policy: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute dtype; parameters stay fp32
+    """Compute precision and fp16's dynamic loss scaling (jaxtrain/precision.py)."""
+
+    policy: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute dtype; parameters and optimizer state stay fp32
+    loss_scale_init: float = 32768.0  # fp16: the first loss scale (2**15)
+    growth_interval: int = 2000  # fp16: clean steps in a row before the scale grows
+    growth_factor: float = 2.0  # fp16: scale *= this after growth_interval clean steps
+    backoff_factor: float = 0.5  # fp16: scale *= this after a step with non-finite gradients
+    min_loss_scale: float = 1.0  # fp16: the scale never backs off below this
+
+
+@dataclasses.dataclass(frozen=True)
+class StabilityConfig:
+    """Spike detection in the step, automatic rollback on the host (jaxtrain/stability.py)."""
+
+    window: int = 100  # steps the running loss/grad-norm statistics span, and the window for max_spikes
+    spike_threshold: float = 6.0  # a spike: loss or grad norm this many standard deviations above its mean
+    min_history: int = 20  # clean steps seen before any spike is flagged
+    skip_spikes: bool = False  # do not apply a spike step's update (decided inside the step)
+    max_spikes: int = 3  # this many spikes within `window` steps trigger a rollback (0 = never roll back)
+    skip_batches: int = 50  # after a rollback, skip this many batches of data
+    max_rollbacks: int = 3  # rollbacks per run; one more stops the run (exit 75) with a message
+    z_loss: float = 0.0  # weight of the z-loss, mean(logsumexp(logits)**2), added to the loss (0 = off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +178,11 @@ class ChaosConfig:
     slow_process: int = 0  # which process slow_seconds and start_delay_s delay
     slow_seconds: float = 0.0  # that process sleeps this long after every step (a straggler drill)
     start_delay_s: float = 0.0  # that process sleeps this long before joining the run's first collectives
+    # Numerics drills, keyed by the batch that step N of an uninterrupted run draws: like real bad
+    # data, a rollback that skips those batches leaves them behind.
+    nan_at_steps: list = dataclasses.field(default_factory=list)  # those batches give non-finite gradients
+    spike_at_steps: list = dataclasses.field(default_factory=list)  # those batches' loss and gradients x spike_factor
+    spike_factor: float = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +191,11 @@ class Config:
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    stability: StabilityConfig = StabilityConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     chaos: ChaosConfig = ChaosConfig()
 
@@ -345,7 +381,7 @@ def validate(cfg: Config) -> None:
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.head_dim": m.head_dim,
         "model.mlp_dim": m.mlp_dim, "model.max_seq_len": m.max_seq_len, "data.seq_len": d.seq_len,
         "data.global_batch_size": d.global_batch_size, "train.steps": t.steps, "train.log_every": t.log_every,
-        "train.grad_accum": t.grad_accum, "mesh.stage": cfg.mesh.stage, "data.prefetch": d.prefetch + 1,
+        "train.grad_accum": t.grad_accum, "data.prefetch": d.prefetch + 1,
         "train.host_sync_every": t.host_sync_every, "train.eval_batches": t.eval_batches,
     }
     for key, value in positive.items():
@@ -392,10 +428,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.seed={d.seed} must be within [0, 2**32) (it seeds Grain's index shuffle)")
     if d.source in ("tokens", "text") and not d.path:
         raise ConfigError(f"data.source={d.source} needs data.path (a file, directory or glob)")
-    if cfg.mesh.stage != 1:
-        raise ConfigError("mesh.stage > 1 (pipeline parallelism) is not available in this version; use data/fsdp/tensor")
-    if cfg.precision.policy == "fp16":
-        raise ConfigError("precision.policy=fp16 needs dynamic loss scaling, which this version does not have; use bf16 or fp32")
+    for key, value in {"pipeline.microbatches": cfg.pipeline.microbatches, "pipeline.repeats": cfg.pipeline.repeats}.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {value}")
+    if cfg.mesh.stage > 1:  # -1 (fill) is checked in phase 2, once the stage count is known
+        validate_pipeline(cfg, cfg.mesh.stage)
     known = logical_axis_names()
     for logical in cfg.mesh.rules:
         if logical not in known:
@@ -408,6 +445,30 @@ def validate(cfg: Config) -> None:
             if a is not None and a not in ("data", "stage", "fsdp", "tensor"):
                 raise ConfigError(
                     f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, tensor")
+    p, st = cfg.precision, cfg.stability
+    checks = [
+        ("precision.loss_scale_init", p.loss_scale_init, p.loss_scale_init > 0, "must be positive"),
+        ("precision.growth_interval", p.growth_interval, p.growth_interval > 0, "must be positive"),
+        ("precision.growth_factor", p.growth_factor, p.growth_factor > 1, "must be > 1"),
+        ("precision.backoff_factor", p.backoff_factor, 0 < p.backoff_factor < 1, "must be within (0, 1)"),
+        ("precision.min_loss_scale", p.min_loss_scale, 0 < p.min_loss_scale <= p.loss_scale_init,
+         "must be positive and at most precision.loss_scale_init"),
+        ("stability.window", st.window, st.window > 0, "must be positive"),
+        ("stability.spike_threshold", st.spike_threshold, st.spike_threshold > 0, "must be positive"),
+        ("stability.min_history", st.min_history, st.min_history >= 2, "must be at least 2 (a variance needs two values)"),
+        ("stability.max_spikes", st.max_spikes, st.max_spikes >= 0, "must be >= 0"),
+        ("stability.skip_batches", st.skip_batches, st.skip_batches >= 0, "must be >= 0"),
+        ("stability.max_rollbacks", st.max_rollbacks, st.max_rollbacks >= 0, "must be >= 0"),
+        ("stability.z_loss", st.z_loss, st.z_loss >= 0, "must be >= 0"),
+        ("chaos.spike_factor", cfg.chaos.spike_factor, cfg.chaos.spike_factor > 0, "must be positive"),
+    ]
+    for key, value, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"config key '{key}' {rule}, got {value}")
+    for key in ("nan_at_steps", "spike_at_steps"):
+        steps = getattr(cfg.chaos, key)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):
+            raise ConfigError(f"config key 'chaos.{key}' must be a list of step numbers >= 1, got {steps!r}")
     ch = cfg.chaos
     for key, value in {"chaos.slow_seconds": ch.slow_seconds, "chaos.start_delay_s": ch.start_delay_s,
                        "chaos.kill_process": ch.kill_process, "chaos.slow_process": ch.slow_process,
@@ -423,3 +484,26 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.barrier_timeout_s must be positive, got {c.barrier_timeout_s}")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
+
+
+def validate_pipeline(cfg: Config, stages: int) -> None:
+    """Pipeline rules for `stages` pipeline stages (phase 1 for a given mesh.stage; phase 2 again
+    once mesh.stage=-1 is resolved). No-op for one stage. Raises ConfigError with the numbers."""
+    if stages == 1:
+        return
+    p, m = cfg.pipeline, cfg.model
+    layers = cfg.mesh.rules.get("layers")
+    if (layers if isinstance(layers, list) else [layers]) != ["stage"]:
+        raise ConfigError(f"mesh.stage={stages} needs mesh.rules['layers'] = stage (pipeline stages split the stacked "
+                          f"layers), got {layers!r}")
+    groups = stages * p.repeats
+    if m.num_layers % groups:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.stage={stages} x pipeline.repeats="
+                          f"{p.repeats} = {groups} layer groups; pick a stage count and repeats whose product divides it")
+    if p.microbatches < stages:
+        raise ConfigError(f"pipeline.microbatches={p.microbatches} is less than mesh.stage={stages}: every stage needs a "
+                          f"microbatch of its own; use at least {stages} (the bubble (S-1)/(R*M+S-1) shrinks as M grows)")
+    per_step = cfg.data.global_batch_size // cfg.train.grad_accum
+    if per_step % p.microbatches:
+        raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} / train.grad_accum={cfg.train.grad_accum} "
+                          f"= {per_step} sequences per step do not split into pipeline.microbatches={p.microbatches}")

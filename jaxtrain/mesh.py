@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxtrain.config import Config, ConfigError, MeshConfig
+from jaxtrain.config import Config, ConfigError, MeshConfig, validate_pipeline
 
 AXES = ("data", "stage", "fsdp", "tensor")
 
@@ -94,6 +94,18 @@ def validate_against_devices(cfg: Config, num_devices: int, num_processes: int =
             f"data.global_batch_size={cfg.data.global_batch_size} / train.grad_accum={cfg.train.grad_accum} "
             f"= {micro} sequences per microbatch is not divisible by the {batch_ways}-way data parallelism "
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes)})")
+    validate_pipeline(cfg, sizes["stage"])  # again: mesh.stage=-1 is resolved only now
+    if sizes["stage"] > 1:
+        # Inside the pipeline each microbatch is split over the batch axes other than `stage`.
+        inner = [a for a in batch_axes if a != "stage"]
+        inner_ways = math.prod(sizes[a] for a in inner)
+        rows = micro // cfg.pipeline.microbatches
+        if rows % inner_ways:
+            raise ConfigError(
+                f"{micro} sequences per model call (global_batch_size / grad_accum) / pipeline.microbatches="
+                f"{cfg.pipeline.microbatches} = {rows} per pipeline microbatch is not divisible by the "
+                f"{inner_ways}-way data parallelism inside a stage ({' x '.join(f'{a}={sizes[a]}' for a in inner)}); "
+                "use fewer microbatches or a larger batch")
     for key in ("heads", "kv_heads"):
         axis = cfg.mesh.rules.get(key)
         n = cfg.model.num_heads if key == "heads" else cfg.model.num_kv_heads

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
+from jaxtrain import pipeline
 from jaxtrain.config import ModelConfig
 from jaxtrain.sharding import KERNEL_WHOLE_AXES, constrain, per_shard
 from kernels import flash_attention
@@ -175,16 +176,25 @@ class Transformer(nnx.Module):
 
         graphdef, layers = nnx.split(self.blocks)
 
-        def layer(x_BLD, one_layer):
-            return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype), None
+        def stack(x_BLD, positions_BL, segment_ids_BL, layers):
+            """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's."""
+            def layer(x_BLD, one_layer):
+                return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype), None
 
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            x_BLD, _ = jax.lax.scan(layer, x_BLD, layers)
-        else:
-            for i in range(cfg.num_layers):
+            if cfg.remat != "none":
+                layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            if cfg.scan_layers:
+                return jax.lax.scan(layer, x_BLD, layers)[0]
+            for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
                 x_BLD, _ = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], layers))
+            return x_BLD
+
+        schedule = pipeline.active_schedule()  # set by the train step when mesh.stage > 1
+        if schedule is None:
+            x_BLD = stack(x_BLD, positions_BL, segment_ids_BL, layers)
+        else:
+            x_BLD = pipeline.run(stack, nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
+                                 segment_ids_BL, schedule)
 
         x_BLD = self.final_norm(x_BLD)
         head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]

@@ -76,6 +76,11 @@ def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_rules() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) that `use_rules` activated, or None outside it (the pipeline reads it)."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint on an activation by logical names; no-op when no rules are active."""
     active = _ACTIVE.get()
@@ -115,7 +120,10 @@ def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...],
             return fn(*full)
 
         in_specs = tuple(logical_to_spec(in_names[i], rules) for i in present)
-        return jax.shard_map(inner, mesh=mesh, in_specs=in_specs,
+        # check_vma=False: inside the pipeline's vmap over stages (spmd_axis_name) JAX 0.10 types
+        # the transposed body's cotangents with the stage axis its primal types lack and refuses
+        # the gradient. The body is a kernel without collectives, so the check guards nothing.
+        return jax.shard_map(inner, mesh=mesh, in_specs=in_specs, check_vma=False,
                              out_specs=logical_to_spec(out_names, rules))(*[args[i] for i in present])
     return wrapped
 

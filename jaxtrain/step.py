@@ -1,9 +1,14 @@
 """The train step: one pure function `train_step(state, batch) -> (state, metrics)`.
 
-State is a plain pytree `{"step", "params", "opt_state", "rng"}`; params are the model's pure
-dict (the NNX graph is split once, outside the step, and merged inside it). The trainer jits the
-step once with explicit in/out shardings and donates the state. Metrics come back as device
-scalars; the host reads them later without stalling the next step.
+State is a plain pytree `{"step", "params", "opt_state", "rng", "loss_scale", "stability"}` (see
+`jaxtrain.state`); params are the model's pure dict (the NNX graph is split once, outside the step,
+and merged inside it). The trainer jits the step once with explicit in/out shardings and donates
+the state. Metrics come back as device scalars; the host reads them later without stalling the
+next step.
+
+Inside the one step, with no extra host synchronisation: loss scaling (fp16, `precision.py`), the
+guard that skips a step with non-finite gradients by keeping the old state, and spike detection
+with optional skipping (`stability.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxtrain import pipeline
 from jaxtrain.config import Config
+from jaxtrain.precision import update_loss_scale
 from jaxtrain.sharding import Rules, constrain, use_rules
+from jaxtrain.stability import spike_check, update_statistics
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 Batch = dict[str, jax.Array]  # the BATCH_KEYS, each [B, L]
@@ -47,22 +55,27 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def compute_dtype(cfg: Config) -> Any:
-    return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[cfg.precision.policy]
-
-
-def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
-    """Per-token cross-entropy in fp32."""
+def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy and log-partition (logsumexp of the logits), both in fp32."""
     logits_BLV = logits_BLV.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+    lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    return lse_BL - target_logit_BL, lse_BL
 
 
-def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked token losses, number of counted tokens) for one (micro)batch."""
+def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch,
+             z_loss: float = 0.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """(objective sum, (cross-entropy sum, z-loss sum, counted tokens)) for one (micro)batch.
+
+    The objective is the cross-entropy plus `z_loss` x logsumexp(logits)**2 (PaLM's z-loss, which
+    keeps the log-partition near 0 and the softmax well conditioned), summed over counted tokens.
+    """
     model = nnx.merge(graphdef, params)
     logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
     mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(token_losses(logits, batch["targets"]) * mask), jnp.sum(mask)
+    ce_BL, lse_BL = token_losses(logits, batch["targets"])
+    ce, z = jnp.sum(ce_BL * mask), jnp.sum(lse_BL * lse_BL * mask)
+    return ce + z_loss * z, (ce, z, jnp.sum(mask))
 
 
 def split_microbatches(batch: Batch, n: int) -> Batch:
@@ -99,46 +112,81 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     """
     schedule = learning_rate_schedule(cfg)
     accum = cfg.train.grad_accum
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+    z_loss = cfg.stability.z_loss
 
-    def step(state: State, batch: Batch) -> tuple[State, dict]:
+    def scaled_loss(params, batch, scale, inject):
+        objective, aux = loss_sum(params, graphdef, batch, z_loss)
+        # The loss scale (fp16) and the chaos drill's factor multiply what is differentiated.
+        return objective * scale * inject, aux
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+    def step(state: State, batch: Batch):
         params = state["params"]
+        batch = dict(batch)
+        inject = batch.pop("chaos", jnp.float32(1.0))  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
+        scale = state["loss_scale"]["scale"]
         if accum == 1:
-            (loss_total, tokens), grads = grad_fn(params, graphdef, batch)
+            (_, (ce, z, tokens)), grads = grad_fn(params, batch, scale, inject)
         else:
             def micro(carry, mb):
-                (l, n), g = grad_fn(params, graphdef, mb)
-                loss_acc, tok_acc, grad_acc = carry
-                return (loss_acc + l, tok_acc + n, jax.tree_util.tree_map(jnp.add, grad_acc, g)), None
+                (_, (c, zz, n)), g = grad_fn(params, mb, scale, inject)
+                ce_acc, z_acc, tok_acc, grad_acc = carry
+                return (ce_acc + c, z_acc + zz, tok_acc + n, jax.tree_util.tree_map(jnp.add, grad_acc, g)), None
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-            (loss_total, tokens, grads), _ = jax.lax.scan(
-                micro, (jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum))
+            (ce, z, tokens, grads), _ = jax.lax.scan(
+                micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum))
         denom = jnp.maximum(tokens, 1.0)
-        grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+        grads = jax.tree_util.tree_map(lambda g: g / (scale * denom), grads)
+        loss = ce * inject / denom  # what a drill injected shows in the loss too
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        stats = state["stability"]
+        spike = spike_check(cfg, stats, loss, grad_norm)
+        spike_flag = finite & spike["spike"]
+        skip = ~finite | (spike_flag if cfg.stability.skip_spikes else False)
+
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state, "rng": advance_rng(state["rng"], state["step"])}
-        metrics = {"loss": loss_total / denom, "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state["step"]), "tokens": tokens,
-                   "loss_scale": jnp.float32(1.0), "skipped": jnp.bool_(False)}
+        new_params = optax.apply_updates(params, updates)
+        # A skipped step keeps the old parameters and optimizer state by selection: multiplying the
+        # update by zero would not do (0 x NaN is NaN).
+        keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(skip, o, n), new, old)
+        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+                     "opt_state": keep(opt_state, state["opt_state"]),
+                     "rng": advance_rng(state["rng"], state["step"]),
+                     "loss_scale": update_loss_scale(cfg, state["loss_scale"], finite),
+                     "stability": update_statistics(cfg, stats, loss, grad_norm, ~skip)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": tokens,
+                   "loss_scale": scale, "next_loss_scale": new_state["loss_scale"]["scale"],
+                   "skipped": skip, "nonfinite": ~finite, "spike": spike_flag, "loss_z": spike["loss_z"],
+                   "grad_norm_z": spike["grad_norm_z"], "z_loss": z / denom,
+                   "skipped_steps": new_state["stability"]["skipped_steps"]}
         return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 
     if mesh is None:
         return step
+    stages = pipeline.schedule_for(cfg, dict(mesh.shape))  # None unless mesh.stage > 1
 
     def step_with_rules(state: State, batch: Batch):
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), pipeline.use_schedule(stages):
             return step(state, batch)
     return step_with_rules
 
 
-def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None,
-                   rules: Rules | None = None) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
-    """(params, batch) -> (loss sum, token count) without gradients."""
+def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, rules: Rules | None = None,
+                   stages: pipeline.Schedule | None = None) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
+    """(params, batch) -> (loss sum, token count) without gradients.
+
+    `stages`: the pipeline schedule when mesh.stage > 1 (`pipeline.schedule_for(cfg, mesh.shape)`);
+    without it the layers still compute the same loss, as one scan over stage-sharded weights.
+    """
     def eval_step(params, batch):
         if mesh is None:
-            return loss_sum(params, graphdef, batch)
-        with use_rules(mesh, rules):
-            return loss_sum(params, graphdef, batch)
+            _, (ce, _, tokens) = loss_sum(params, graphdef, batch)
+            return ce, tokens
+        with use_rules(mesh, rules), pipeline.use_schedule(stages):
+            _, (ce, _, tokens) = loss_sum(params, graphdef, batch)
+            return ce, tokens
     return eval_step
