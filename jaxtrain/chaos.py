@@ -39,6 +39,23 @@ class Chaos:
         if c.start_delay_s > 0 and self.process_index == c.slow_process:
             time.sleep(c.start_delay_s)
 
+    def batch_factor(self, batch_index: int, step: int) -> float:
+        """The loss multiplier for the batch with this index in the data order (0-based): NaN for
+        `chaos.nan_at_steps`, `chaos.spike_factor` for `chaos.spike_at_steps`, else 1.
+
+        Keyed by the batch, not the step: step N of an uninterrupted run draws batch N-1, and a
+        rollback that skips bad batches leaves these behind, as it would real bad data. Numerics
+        drills fire on every attempt (they are data, not faults of a process).
+        """
+        c = self.cfg
+        if batch_index + 1 in c.nan_at_steps:
+            self.event("chaos", step, drill="nan", batch=batch_index)
+            return float("nan")
+        if batch_index + 1 in c.spike_at_steps:
+            self.event("chaos", step, drill="spike", batch=batch_index, factor=c.spike_factor)
+            return float(c.spike_factor)
+        return 1.0
+
     def after_step(self, step: int, state: Any) -> None:
         """Drills that act between steps: kill a process, slow one down."""
         c = self.cfg

@@ -146,6 +146,7 @@ class PrecisionConfig:
 class StabilityConfig:
     """Spike detection in the step, automatic rollback on the host (jaxtrain/stability.py)."""
 
+    guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
     window: int = 100  # steps the running loss/grad-norm statistics span, and the window for max_spikes
     spike_threshold: float = 6.0  # a spike: loss or grad norm this many standard deviations above its mean
     min_history: int = 20  # clean steps seen before any spike is flagged

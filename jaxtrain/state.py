@@ -5,8 +5,10 @@ graph definition, every parameter's logical axes and sharding, the optimizer, an
 state (`jax.ShapeDtypeStruct`s carrying their shardings). The trainer restores or initialises
 into it; `jaxtrain inspect` compiles the step from it without allocating or reading data.
 
-The state is a plain dict `{"step", "params", "opt_state", "rng"}`; `params` is the model's pure
-dict (the NNX graph is split once, here, and merged inside the jitted step).
+The state is a plain dict `{"step", "params", "opt_state", "rng", "loss_scale", "stability"}`:
+`params` is the model's pure dict (the NNX graph is split once, here, and merged inside the jitted
+step); `loss_scale` is fp16's dynamic scaler (`precision.py`); `stability` the running loss and
+gradient-norm statistics of spike detection (`stability.py`). All of it is checkpointed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.model import Transformer, logical_axes
 from jaxtrain.sharding import batch_sharding, param_shardings
-from jaxtrain.step import BATCH_KEYS, compute_dtype, make_optimizer, make_train_step
+from jaxtrain.precision import compute_dtype, init_loss_scale
+from jaxtrain.stability import init_statistics
+from jaxtrain.step import BATCH_KEYS, make_optimizer, make_train_step
 
 State = dict[str, Any]
 
@@ -57,7 +61,8 @@ class StateLayout:
         model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.run.seed), dtype=compute_dtype(cfg))
         params = nnx.to_pure_dict(nnx.state(model))
         return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
-                "rng": jax.random.key_data(jax.random.key(cfg.run.seed))}
+                "rng": jax.random.key_data(jax.random.key(cfg.run.seed)),
+                "loss_scale": init_loss_scale(cfg), "stability": init_statistics()}
 
     def init(self) -> State:
         """A fresh state built directly in its shardings: no device ever holds the whole model."""
@@ -68,12 +73,28 @@ class StateLayout:
         return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       jax.eval_shape(self.init_fn), self.state_shardings)
 
+    @property
+    def chaos_drills(self) -> bool:
+        """Whether batches carry a `chaos` factor (chaos.nan_at_steps / spike_at_steps configured)."""
+        c = self.cfg.chaos
+        return bool(c.nan_at_steps or c.spike_at_steps)
+
+    def batch_shardings(self) -> dict[str, NamedSharding]:
+        """Shardings of a global batch's entries: [batch, length] arrays, and the drills' scalar."""
+        out = {k: self.batch_sharding for k in BATCH_KEYS}
+        if self.chaos_drills:
+            out["chaos"] = self.replicated
+        return out
+
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes of one global batch (tokens, targets, segment_ids, positions, loss_mask)."""
         d = self.cfg.data
         shape = (d.global_batch_size, d.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+        out = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                       sharding=self.batch_sharding) for k in BATCH_KEYS}
+        if self.chaos_drills:
+            out["chaos"] = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
+        return out
 
     def jit_train_step(self, return_grads: bool = False) -> Callable:
         """The train step jitted with explicit in/out shardings and the state donated.
@@ -83,7 +104,7 @@ class StateLayout:
         step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules,
                                   return_grads=return_grads)
         out = (self.state_shardings, self.replicated) + ((self.param_shardings,) if return_grads else ())
-        return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+        return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_shardings()),
                        out_shardings=out, donate_argnums=0)
 
     def lower_train_step(self) -> jax.stages.Lowered:
@@ -108,7 +129,9 @@ def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     # Optimizer moments shard like their parameters; counters and the like are replicated.
     opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, shardings,
                                           transform_non_params=lambda _: replicated)
-    state_shardings = {"step": replicated, "params": shardings, "opt_state": opt_shardings, "rng": replicated}
+    state_shardings = {"step": replicated, "params": shardings, "opt_state": opt_shardings, "rng": replicated,
+                       "loss_scale": {"scale": replicated, "good_steps": replicated},
+                       "stability": {k: replicated for k in init_statistics()}}
     num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract_params))
     return StateLayout(cfg=cfg, mesh=mesh, graphdef=graphdef, logical=logical, param_shardings=shardings,
                        state_shardings=state_shardings, batch_sharding=batch_sharding(mesh, cfg.mesh.rules),

@@ -112,7 +112,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     """
     schedule = learning_rate_schedule(cfg)
     accum = cfg.train.grad_accum
-    z_loss = cfg.stability.z_loss
+    z_loss, guard = cfg.stability.z_loss, cfg.stability.guard
 
     def scaled_loss(params, batch, scale, inject):
         objective, aux = loss_sum(params, graphdef, batch, z_loss)
@@ -147,17 +147,19 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         spike = spike_check(cfg, stats, loss, grad_norm)
         spike_flag = finite & spike["spike"]
         skip = ~finite | (spike_flag if cfg.stability.skip_spikes else False)
+        if not guard:  # stability.guard=false: only to measure what the guard costs (bench/)
+            spike_flag, skip = jnp.bool_(False), jnp.bool_(False)
 
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         # A skipped step keeps the old parameters and optimizer state by selection: multiplying the
         # update by zero would not do (0 x NaN is NaN).
         keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(skip, o, n), new, old)
-        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
-                     "opt_state": keep(opt_state, state["opt_state"]),
+        new_state = {"step": state["step"] + 1, "params": keep(new_params, params) if guard else new_params,
+                     "opt_state": keep(opt_state, state["opt_state"]) if guard else opt_state,
                      "rng": advance_rng(state["rng"], state["step"]),
                      "loss_scale": update_loss_scale(cfg, state["loss_scale"], finite),
-                     "stability": update_statistics(cfg, stats, loss, grad_norm, ~skip)}
+                     "stability": update_statistics(cfg, stats, loss, grad_norm, ~skip) if guard else stats}
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": tokens,
                    "loss_scale": scale, "next_loss_scale": new_state["loss_scale"]["scale"],
                    "skipped": skip, "nonfinite": ~finite, "spike": spike_flag, "loss_z": spike["loss_z"],

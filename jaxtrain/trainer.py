@@ -20,11 +20,13 @@ drills (`chaos.py`), the agreed stop/save decision (`preemption.py`), checkpoint
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 import kernels
@@ -41,6 +43,7 @@ from jaxtrain.paths import is_remote, join
 from jaxtrain.preemption import HostSync, StopSignals
 from jaxtrain.runlog import RunLog
 from jaxtrain.sharding import check_attention_layout, global_batch
+from jaxtrain.stability import RollbackLog, RollbackRequest, SpikeGuard
 from jaxtrain.state import State, build_layout
 from jaxtrain.step import BATCH_KEYS
 from jaxtrain.throughput import Throughput, flops_per_step, peak_flops_per_device
@@ -66,11 +69,16 @@ def check_output_dir(output_dir: str) -> None:
         raise ConfigError(f"run.output_dir='{output_dir}' is an existing file, not a directory")
 
 
+# Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
+RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z")
+
+
 class _Pending:
     """A step queued on the device whose metrics have not been read yet."""
 
     def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None):
         self.step, self.metrics, self.data_wait_s, self.evaluation = step, metrics, data_wait_s, evaluation
+        self.values: dict | None = None  # the metrics as Python values, once read
 
 
 class Trainer:
@@ -118,8 +126,13 @@ class Trainer:
         # of them, also on a fresh run (where it agrees on "none").
         self.output_dir = cfg.run.output_dir
         self.chaos.at_start()
-        self.checkpointer = Checkpointer(join(self.output_dir, "checkpoints"), cfg.checkpoint,
-                                         on_event=self._event) if write_files else None
+        checkpoint_dir = join(self.output_dir, "checkpoints")
+        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
+        self.guard = SpikeGuard(cfg, self._event)
+        self.rollbacks = RollbackLog(checkpoint_dir, primary=self.process_index == 0) if write_files else None
+        for record in self.rollbacks.records if self.rollbacks is not None else []:
+            # A rollback that died before discarding what it superseded: finish it (idempotent).
+            self.checkpointer.discard_after(record["to_step"], committed_before=record["time"])
         self.resumed_from: int | None = None
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
         if latest is not None:
@@ -144,6 +157,8 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
         self.throughput = Throughput(flops_per_step(cfg), self.peak_flops, self.mesh.size, self._host_step)
         self.signals = StopSignals()
+        self._skips_done: int | None = None  # the step at which rolled-back batches were last skipped
+        self._stop_details: dict = {}  # what the event of an early stop says besides its kind
         self.host_sync = HostSync(self.mesh, cfg.train.host_sync_every, self.process_count)
         self._pending: _Pending | None = None
 
@@ -188,46 +203,58 @@ class Trainer:
         """Queue one step on the device (and its evaluation, if due, on the parameters it produces)."""
         if self.compiled_step is None:
             self._compile()
+        batch_index = self.data.position
         local = next(self.data)
         wait = float(getattr(self.data, "last_wait_s", 0.0))
         batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
+        if self.layout.chaos_drills:
+            factor = np.float32(self.chaos.batch_factor(batch_index, self._host_step + 1))
+            batch["chaos"] = jax.make_array_from_callback((), self.layout.replicated, lambda _: factor)
         self.state, metrics = self.compiled_step(self.state, batch)
         self._host_step += 1
         # Queued before the next step donates this state: eval_loss at step N is of step N's parameters.
         evaluation = self.evaluator.dispatch(self.state["params"]) if self.evaluator.due(self._host_step) else None
         return _Pending(self._host_step, metrics, wait, evaluation)
 
-    def _read(self, pending: _Pending) -> dict:
-        """A finished step's metrics as a log record (reads them: a host sync on that step only)."""
-        values = {k: v.item() for k, v in jax.device_get(pending.metrics).items()}
-        d = self.cfg.data
-        record = {"step": pending.step, "loss": values["loss"], "grad_norm": values["grad_norm"],
-                  "learning_rate": values["learning_rate"], "loss_scale": values["loss_scale"],
+    def _values(self, pending: _Pending) -> dict:
+        """A finished step's metrics as Python values (a host sync on that step, which the loop
+        does one step late: by then the device has the next step queued)."""
+        if pending.values is None:
+            pending.values = {k: v.item() for k, v in jax.device_get(pending.metrics).items()}
+        return pending.values
+
+    def _record(self, pending: _Pending) -> dict:
+        """The metrics.jsonl record of a finished step."""
+        values, d = self._values(pending), self.cfg.data
+        record = {"step": pending.step, **{k: values[k] for k in RECORDED},
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
                   "tokens_per_step": d.global_batch_size * d.seq_len}
+        if self.cfg.stability.z_loss > 0:
+            record["z_loss"] = values["z_loss"]
         if pending.evaluation is not None:
             record["eval_loss"] = self.evaluator.result(pending.evaluation)
             self.throughput.exclude(pending.step)  # evaluation time is not step time
         return record
 
-    def _observe(self, pending: _Pending | None, *, force_log: bool = False) -> dict | None:
-        """Read a dispatched step's metrics and log them on log steps."""
+    def _observe(self, pending: _Pending | None, *, force_log: bool = False) -> RollbackRequest | None:
+        """Read a dispatched step's metrics: the spike guard sees every step; log steps are logged."""
         if pending is None:
             return None
+        request = self.guard.observe(pending.step, self._values(pending))
         step, train = pending.step, self.cfg.train
-        if not (force_log or step % train.log_every == 0 or step == train.steps or pending.evaluation is not None):
-            return None
-        record = self._read(pending)
-        self.log.metrics(record)
-        return record
+        if force_log or step % train.log_every == 0 or step == train.steps or pending.evaluation is not None:
+            self.log.metrics(self._record(pending))
+        return request
 
     def step(self) -> dict:
         """Run one step and return its metrics (synchronous: for notebooks and tests)."""
         self._observe(self._take_pending())
+        self._skip_rolled_back_batches()
         self.throughput.restart(self._host_step)
-        record = self._read(self._dispatch())
-        return record
+        pending = self._dispatch()
+        self.guard.observe(pending.step, self._values(pending))
+        return self._record(pending)
 
     def _take_pending(self) -> _Pending | None:
         pending, self._pending = self._pending, None
@@ -258,13 +285,19 @@ class Trainer:
                        compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
         self.throughput.restart(start)
-        stop = False
+        stop: str | None = None  # why the loop ends early: "preempted" or "rollback_limit"
         with self.signals:
-            while self._host_step < cfg.train.steps and not stop:
+            while self._host_step < cfg.train.steps and stop is None:
+                self._skip_rolled_back_batches()
                 previous = self._take_pending()
                 self._pending = self._dispatch()
                 step = self._pending.step
-                self._observe(previous)
+                request = self._observe(previous)
+                if request is not None:
+                    if not self._roll_back(request):
+                        stop = "rollback_limit"  # stability.max_rollbacks spent
+                        break
+                    continue
                 if step == start + 1 and self.resumed_from is not None:
                     self._report_resume()
                 self.chaos.after_step(step, self.state)
@@ -273,17 +306,65 @@ class Trainer:
                     self.log.event("signal", step, signal=self.signals.requested)
                 time_due = self.checkpointer is not None and self.checkpointer.time_due()
                 decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
-                stop = decision.stop
-                self._maybe_save(step, last=step == cfg.train.steps, time_due=decision.save, force=stop)
-            self._observe(self._take_pending(), force_log=True)
+                stop = "preempted" if decision.stop else None
+                self._maybe_save(step, last=step == cfg.train.steps, time_due=decision.save, force=decision.stop)
+            if stop != "rollback_limit":  # (after a rollback limit, the queued step belongs to no run)
+                self._observe(self._take_pending(), force_log=True)
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # the last checkpoint is committed before we report done
         jax.block_until_ready(self.state)
-        if stop:
-            self.log.event("preempted", self._host_step, exit_code=EXIT_RESTART)
+        skipped = int(jax.device_get(self.state["stability"]["skipped_steps"]))
+        if stop is not None:
+            self.log.event(stop, self._host_step, exit_code=EXIT_RESTART, skipped_steps=skipped, **self._stop_details)
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
-        self.log.event("done", self._host_step)
+        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks or ()))
         return {"step": self._host_step, "exit_code": EXIT_OK}
+
+    # ------------------------------------------------------------------ rollback
+
+    def _skip_rolled_back_batches(self) -> None:
+        """Past a rollback's target step, skip the batches it left behind (also after a restart)."""
+        if self.rollbacks is not None and self._skips_done != self._host_step:
+            self._skips_done = self._host_step
+            n = self.rollbacks.skip_at(self._host_step)
+            if n:
+                self.data.skip_batches(n)
+
+    def _roll_back(self, request: RollbackRequest) -> bool:
+        """Restore the last committed checkpoint before the first spike and skip the data after it.
+
+        Returns False when `stability.max_rollbacks` is spent (the run must stop, exit 75).
+        """
+        s, at = self.cfg.stability, request.at_step
+        if self.checkpointer is None:
+            self.log.event("rollback_unavailable", at, reason="no checkpoint directory (write_files=False)")
+            return True
+        if len(self.rollbacks) >= s.max_rollbacks:
+            message = (f"{s.max_spikes} loss spikes within {s.window} steps again, after {len(self.rollbacks)} "
+                       f"rollback(s) (stability.max_rollbacks={s.max_rollbacks}): stopping; look at the data and the "
+                       "learning rate before restarting")
+            self._stop_details = {"spike_steps": list(request.spike_steps), "message": message}
+            print(f"jaxtrain: {message}", file=sys.stderr, flush=True)
+            return False
+        self.checkpointer.wait()
+        target = self.checkpointer.latest_step(before=request.spike_steps[0])
+        if target is None:
+            self.log.event("rollback_unavailable", at, spike_steps=list(request.spike_steps),
+                           reason="no committed checkpoint before the first spike")
+            return True
+        self._pending = None  # the step queued after the last spike is thrown away with its state
+        self.rollbacks.add(from_step=at, to_step=target, skip_batches=s.skip_batches, spike_steps=request.spike_steps)
+        discarded = self.checkpointer.discard_after(target)
+        self.state, extra = self.checkpointer.restore(target, self.abstract_state())
+        self.data.set_state(extra["data"])
+        self._host_step = target
+        self._skips_done = None  # the loop applies this rollback's skip (and earlier ones to the same step) next
+        self.guard.reset()
+        self.log.event("rollback", at, from_step=at, to_step=target, batches_skipped=s.skip_batches,
+                       spike_steps=list(request.spike_steps), discarded_checkpoints=discarded,
+                       rollbacks=len(self.rollbacks))
+        self.throughput.exclude(target)
+        return True
 
     def _report_resume(self) -> None:
         jax.block_until_ready(self.state)  # once: the restart is only over when a step has run

@@ -75,21 +75,40 @@ def assert_same_run(resumed: Path, reference: Path, after_step: int) -> None:
     assert_trees_equal(final_state(resumed), final_state(reference))
 
 
-@pytest.mark.slow
-def test_sigkill_then_same_command_resumes_bitwise(tmp_path, cache, uninterrupted):
-    out = tmp_path / "run"
-    killed = run(out, cache, "chaos.kill_at_step=23")
+def kill_and_resume(out: Path, cache: Path, *extra: str) -> int:
+    """SIGKILL after step 23, then the same command again; returns the step it resumed from."""
+    killed = run(out, cache, "chaos.kill_at_step=23", *extra)
     assert killed.returncode == -signal.SIGKILL
     assert max(losses_by_step(out)) >= 22
     # The same command; the restart counter (set by `jaxtrain launch`) keeps the drill from firing again.
-    env_restart = subprocess.run(train_cmd(out, cache, "chaos.kill_at_step=23"), capture_output=True, text=True,
-                                 timeout=600, env={**os.environ, "JAXTRAIN_RESTART_ATTEMPT": "1"})
+    env_restart = subprocess.run(train_cmd(out, cache, "chaos.kill_at_step=23", *extra), capture_output=True,
+                                 text=True, timeout=600, env={**os.environ, "JAXTRAIN_RESTART_ATTEMPT": "1"})
     assert env_restart.returncode == 0, env_restart.stderr[-3000:]
     resume = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "resume"]
     # Step 20's write may still be in flight 3 steps later (then 15 is the latest committed).
     restored = resume[0]["restored_step"]
     assert restored in (15, 20) and resume[0]["restart_to_first_step_s"] > 0
-    assert_same_run(out, uninterrupted, after_step=restored)
+    return restored
+
+
+@pytest.mark.slow
+def test_sigkill_then_same_command_resumes_bitwise(tmp_path, cache, uninterrupted):
+    restored = kill_and_resume(tmp_path / "run", cache)
+    assert_same_run(tmp_path / "run", uninterrupted, after_step=restored)
+
+
+@pytest.mark.slow
+def test_fp16_resume_restores_loss_scale_and_spike_statistics_bitwise(tmp_path, cache):
+    """The scaler (which backs off and grows here) and the spike statistics are part of the state:
+    a killed fp16 run resumes to the same losses and the same final state, bitwise."""
+    fp16 = ("precision.policy=fp16", "precision.loss_scale_init=1024", "precision.growth_interval=3",
+            "chaos.nan_at_steps=[7,18]", "stability.min_history=5")
+    reference = tmp_path / "uninterrupted"
+    assert run(reference, cache, *fp16).returncode == 0
+    scales = [m["loss_scale"] for m in read_jsonl(reference / "metrics.jsonl")]
+    assert len(set(scales)) > 2  # the scale really moved both ways during the run
+    restored = kill_and_resume(tmp_path / "run", cache, *fp16)
+    assert_same_run(tmp_path / "run", reference, after_step=restored)
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ share of each global batch: a dict of numpy arrays, each [global_batch / process
   loss_mask (float32, 0 where the target is padding or in another document).
 Process p holds rows [p*b, (p+1)*b) of the global batch, which is the same whatever the number
 of processes. Iterators expose `get_state()` / `set_state()` (JSON-able) for checkpoints,
-`skip_batches(n)`, `reset()`, `close()` (stops background threads), `entropy_floor` (nats, or
+`skip_batches(n)`, `reset()`, `close()` (stops background threads), `position` (global batches
+drawn so far: the index of the next one in the data order), `entropy_floor` (nats, or
 None when unknown), `last_wait_s` (seconds the last `next()` waited) and `num_batches` (global
 batches in one pass, None when endless).
 

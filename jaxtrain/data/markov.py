@@ -100,6 +100,11 @@ class MarkovData:
             "loss_mask": np.ones((b, L), np.float32),
         }
 
+    @property
+    def position(self) -> int:
+        """Global batches drawn so far: the index of the next batch in the data order."""
+        return self.index
+
     def get_state(self) -> dict:
         return {"index": self.index}
 

@@ -129,6 +129,11 @@ class PackedData:
         self.next_sample += self.global_batch
         return batch
 
+    @property
+    def position(self) -> int:
+        """Global batches drawn so far: the index of the next batch in the data order."""
+        return self.next_sample // self.global_batch
+
     def get_state(self) -> dict:
         """JSON-able position: the global sample index of the next batch's first row."""
         return {"next_sample": self.next_sample}
