@@ -35,6 +35,12 @@ maps `layers -> stage`, so device s stores the contiguous block of layers [s·L/
 Outside the pipeline (embedding, final norm, head, loss) the batch is sharded over `stage` too
 (default rules: batch -> [data, stage, fsdp]), so no stage device repeats that work; inside,
 each microbatch is split only over the batch axes other than `stage`.
+
+Data parallelism inside a stage: every iteration adds to the stage's weight gradients. Left to
+itself XLA all-reduces each iteration's share over `data`, R·M + S − 1 times per step. So each
+stage runs one copy of its weights per `data` index (a second vmap, over the batch axes that
+shard no weight; the copies are a broadcast of what each device holds anyway): the gradients
+add up per copy inside the loop and are summed over `data` once, after it.
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config
-from jaxtrain.sharding import Rules, active_rules, constrain, use_rules
+from jaxtrain.sharding import Rules, active_rules, constrain, logical_to_spec, use_rules
 
 # stack(x_BLD, positions_BL, segment_ids_BL, layers) runs `layers` (stacked on a leading axis) in order.
 StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any], jax.Array]
@@ -138,28 +145,57 @@ def active_schedule() -> Schedule | None:
     return _ACTIVE.get()
 
 
-def _inside_stage() -> contextlib.AbstractContextManager:
-    """Rules for code inside one stage: the stage axes are taken by the (vmapped) stage dimension,
-    so no logical name may use them there (the batch, for one)."""
+def _inside(taken: tuple[str, ...]) -> contextlib.AbstractContextManager:
+    """Rules for code inside one stage (or one replica of it): the `taken` mesh axes belong to the
+    vmapped dimensions, so no logical name may use them there (the batch, for one)."""
     active = active_rules()
     if active is None:
         return contextlib.nullcontext()
     mesh, rules = active
-    taken = set(stage_axes(rules))
     inner = {name: ([a for a in _targets(t) if a not in taken] or None) for name, t in rules.items()}
     inner["layers"] = None
     return use_rules(mesh, inner)
 
 
-def _place(w: jax.Array, names: tuple[str | None, ...], S: int, R: int) -> jax.Array:
-    """[L, ...] in execution order -> [S, R, L/(S·R), ...], where [s, r] is layer group r·S + s.
+def _replica_axes(rules: Rules, taken: tuple[str, ...], layer_names: Any) -> tuple[str, ...]:
+    """The outermost batch axes (besides the stage axes) that shard no stacked weight: `data` by default.
+
+    A stage runs one copy of its weights per index of these axes (a second vmap), so the weight
+    gradients of all R·M + S − 1 iterations add up per copy, inside the loop, and the copies are
+    summed once after it. Without the copies XLA all-reduces every iteration's weight gradients
+    over these axes: R·M + S − 1 times the data-parallel gradient traffic.
+    """
+    used: set[str] = set()
+    for names in jax.tree_util.tree_leaves(layer_names, is_leaf=lambda x: isinstance(x, tuple)):
+        for entry in logical_to_spec(names, rules):
+            used.update(entry if isinstance(entry, tuple) else [entry] if entry else [])
+    replicas = []
+    for axis in _targets(rules.get("batch")):
+        if axis in taken:
+            continue
+        if axis in used:
+            break
+        replicas.append(axis)
+    return tuple(replicas)
+
+
+def _place(w: jax.Array, names: tuple[str | None, ...], S: int, R: int, replicas: tuple[str, ...],
+           copies: int) -> jax.Array:
+    """[L, ...] in execution order -> [S, (copies,) R, L/(S·R), ...], where [s, r] is layer group r·S + s.
 
     For R = 1 this is a local reshape of the stage-sharded layers axis; for R > 1 it is the
-    per-step all-to-all described in the module docstring.
+    per-step all-to-all described in the module docstring. The copies (see `_replica_axes`) are a
+    broadcast of what each device already holds.
     """
     L = w.shape[0]
     w = w.reshape(R, S, L // (S * R), *w.shape[1:]).swapaxes(0, 1)
-    return constrain(w, ("layers", None, None, *names[1:]))
+    w = constrain(w, ("layers", None, None, *names[1:]))
+    if copies == 1:
+        return w
+    mesh, rules = active_rules()
+    spec = logical_to_spec(("layers", None, None, None, *names[1:]), rules)
+    w = jnp.broadcast_to(w[:, None], (S, copies, *w.shape[1:]))
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(spec[0], replicas, *spec[2:])))
 
 
 def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positions_BL: jax.Array,
@@ -179,7 +215,9 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     B = x_BLD.shape[0]
     active = active_rules()
     spmd_axes = stage_axes(active[1]) if active is not None else ()
-    weights = jax.tree_util.tree_map(lambda w, n: _place(w, n, S, R), layers, layer_names)
+    replicas = _replica_axes(active[1], spmd_axes, layer_names) if active is not None else ()
+    copies = math.prod(active[0].shape[a] for a in replicas) if replicas else 1
+    weights = jax.tree_util.tree_map(lambda w, n: _place(w, n, S, R, replicas, copies), layers, layer_names)
 
     def split(a, names):
         """[B, ...] -> [M, B/M, ...], microbatch m taking rows m, m+M, ... (as step.split_microbatches).
@@ -188,7 +226,7 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
         a = constrain(a, names)
         return constrain(a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1), (None, *names))
 
-    with _inside_stage():
+    with _inside(spmd_axes):
         x_MBLD = split(x_BLD, ("batch", "length", "act_embed"))
         ids_MBL = jax.tree_util.tree_map(lambda a: split(a, ("batch", "length")), (positions_BL, segment_ids_BL))
     # Stage 0's slot of `loop` holds every microbatch's input for its next round (its own rows
@@ -197,10 +235,19 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     loop_SMBLD = constrain(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)), ("layers", None, "batch", "length", "act_embed"))
     stage_S = jnp.arange(S)
 
-    def one_stage(x_BLD, pos_BL, seg_BL, w, repeat):
-        w = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), w)
-        with _inside_stage():
+    def one_replica(x_BLD, pos_BL, seg_BL, w):
+        with _inside(spmd_axes + replicas):
             return stack(x_BLD, pos_BL, seg_BL, w)
+
+    def one_stage(x_BLD, pos_BL, seg_BL, w, repeat):
+        repeat_axis = 0 if copies == 1 else 1  # w: [(copies,) R, L/(S·R), ...] on this stage
+        w = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, repeat_axis, keepdims=False), w)
+        if copies == 1:
+            return one_replica(x_BLD, pos_BL, seg_BL, w)
+        # Rows split over the replica axes, which are the outermost batch axes: a local reshape.
+        rows = lambda a: None if a is None else a.reshape(copies, a.shape[0] // copies, *a.shape[1:])
+        y = jax.vmap(one_replica, spmd_axis_name=replicas)(rows(x_BLD), rows(pos_BL), rows(seg_BL), w)
+        return y.reshape(x_BLD.shape)
 
     # Remat per iteration: the backward pass keeps each iteration's stage inputs, not the layers' insides.
     all_stages = jax.checkpoint(jax.vmap(one_stage, spmd_axis_name=spmd_axes or None), prevent_cse=False)
@@ -236,7 +283,7 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     # Every stage starts on microbatch 0, so even the bubble's (discarded) work sees real, finite rows.
     init = per_stage(feed(loop_SMBLD, jnp.int32(0)))
     (_, loop_SMBLD), _ = jax.lax.scan(iteration, (init, loop_SMBLD), jnp.arange(schedule.iterations))
-    with _inside_stage():  # the inverse of `split`: reshape where it is local, then shard over stage again
+    with _inside(spmd_axes):  # the inverse of `split`: reshape where it is local, then shard over stage again
         y_MBLD = constrain(loop_SMBLD[0], (None, "batch", "length", "act_embed"))
         y_BLD = constrain(y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape), ("batch", "length", "act_embed"))
     return constrain(y_BLD, ("batch", "length", "act_embed"))

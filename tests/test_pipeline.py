@@ -153,9 +153,9 @@ def test_program_size_is_flat_in_layers_per_stage():
     assert eight <= 1.05 * two, (two, eight)
 
 
-def traffic(repeats: int, mlp_dim: int) -> dict[str, float]:
+def traffic(repeats: int, mlp_dim: int, microbatches: int = 4) -> dict[str, float]:
     """Bytes per step per device of each collective kind, from the compiled step's HLO."""
-    cfg = load_config(None, BASE + ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=4",
+    cfg = load_config(None, BASE + ["mesh.data=2", "mesh.stage=4", f"pipeline.microbatches={microbatches}",
                                     f"pipeline.repeats={repeats}", f"model.mlp_dim={mlp_dim}"])
     hlo = Trainer(cfg, write_files=False).layout.lower_train_step().compile().as_text()
     return {kind: v["bytes"] for kind, v in collective_bytes(hlo).items()}
@@ -164,13 +164,16 @@ def traffic(repeats: int, mlp_dim: int) -> dict[str, float]:
 def test_stages_shift_by_collective_permute_and_gpipe_moves_no_weights():
     """Activations move by collective-permute. Weight bytes grow with mlp_dim, activation bytes do
     not: GPipe's gathers, all-to-alls and permutes are the same for both sizes (no weight moves);
-    the circular schedule's all-to-all grows (its per-step weight permutation, see pipeline.py)."""
+    the circular schedule's all-to-all grows (its per-step weight permutation, see pipeline.py).
+    The gradient all-reduce over `data` does not grow with the number of iterations."""
     gpipe_small, gpipe_big = traffic(1, 64), traffic(1, 512)
     assert gpipe_small["collective-permute"] > 0
     for kind in ("all-gather", "all-to-all", "collective-permute"):
         assert gpipe_big[kind] == gpipe_small[kind], (kind, gpipe_small, gpipe_big)
     circular_small, circular_big = traffic(2, 64), traffic(2, 512)
     assert circular_big["all-to-all"] > circular_small["all-to-all"]
+    # Data-parallel gradients are summed once per step, not once per pipeline iteration.
+    assert traffic(1, 64, microbatches=8)["all-reduce"] == gpipe_small["all-reduce"]
 
 
 def test_describe_reports_schedule_and_bubble():
