@@ -120,9 +120,9 @@ def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...],
             return fn(*full)
 
         in_specs = tuple(logical_to_spec(in_names[i], rules) for i in present)
-        # check_vma=False: inside the pipeline's vmap over stages (spmd_axis_name) JAX 0.10 types
-        # the transposed body's cotangents with the stage axis its primal types lack and refuses
-        # the gradient. The body is a kernel without collectives, so the check guards nothing.
+        # check_vma=False: under the pipeline's vmaps (spmd_axis_name stage, data) JAX 0.10 and 0.12
+        # type the transposed body's cotangents with the vmapped axes that its primal types lack,
+        # and refuse the gradient. The body is a kernel without collectives: the check guards nothing.
         return jax.shard_map(inner, mesh=mesh, in_specs=in_specs, check_vma=False,
                              out_specs=logical_to_spec(out_names, rules))(*[args[i] for i in present])
     return wrapped
