@@ -2,7 +2,8 @@
 
 Where things live: `checkpointer.py` (the Checkpointer: save/restore/retention/events),
 `layout.py` (on-disk format, commit marker, discovery, `jaxtrain checkpoints DIR`),
-`multihost.py` (barriers that name missing processes), `compilation_cache.py` (fast restart).
+`multihost.py` (barriers that name missing processes), `compilation_cache.py` (fast restart),
+`s3_arrays.py` (jax.Array leaves on s3://, which Orbax 0.12 cannot route; see there).
 
 The trainer owns one `Checkpointer` per run directory and calls it from every process, in the
 same order (each method is collective):
@@ -17,10 +18,12 @@ same order (each method is collective):
             ckpt.save(step, state, {"data": it.state(), ...})  # returns once the arrays are copied
     ckpt.wait()                                  # before exit: the last save is committed
 
-Layout of `directory` (any tensorstore URL works: a local path, gs://, s3://):
+Layout of `directory` (a local path, gs://bucket/... or s3://bucket/...; the bucket and the
+credentials are checked when the Checkpointer is made, see `jaxtrain.storage.check_access`):
 
     <step>/                      one folder per checkpoint, named by the step (Orbax's own naming)
       state/                     the array pytree: OCDBT/zarr, one ocdbt.process_<i>/ per writer
+                                 (s3://: one zarr array per leaf, <name>/.zarray + chunk objects)
       extra/metadata             the JSON extras (data iterator, resolved config, ...)
       _CHECKPOINT_METADATA, commit_success.txt    Orbax's own bookkeeping
       commit.json                OUR commit marker: written last, by process 0 only
@@ -31,17 +34,20 @@ with the recorded size. Discovery (`latest_step`, `list_checkpoints`) ignores an
 
 Failure windows (what a kill, or a lost host, at each moment leaves behind):
   1. During the blocking copy or the background write: only a `<step>.orbax-checkpoint-tmp/`
-     folder (on gs:// a `<step>/` without commit files) and no marker -> invisible; the previous
-     checkpoint is the latest. The next save of a later step deletes the leftovers.
+     folder (on gs:// and s3://, which have no atomic rename, Orbax writes in place: a `<step>/`
+     without commit files) and no marker -> invisible; the previous checkpoint is the latest.
+     The next save of that step, or retention after the next commit, deletes the leftovers.
   2. After Orbax renamed the folder to `<step>/` but before `commit.json` is written: complete
      data, no marker -> invisible, reported as `checkpoint_damaged` ("no commit marker") by
      `latest_step`; one checkpoint's worth of progress is lost, nothing is corrupted.
   3. While writing `commit.json`: locally it is written to a temporary name, fsynced and renamed
      (atomic); on object stores a single object write is atomic. Either no marker or a whole one.
+     Object stores list what is written (GCS and S3 have strong read-after-write consistency),
+     so the manifest, taken from one listing after every process finished, is complete.
   4. Before the marker, every data file is fsynced (local disks), so a host crash (not just a
      process kill) cannot leave a marker that points at data still in the page cache.
-  5. During retention: an old checkpoint loses its marker first, then its files; a half-deleted
-     folder is "uncommitted", never mistaken for good. The newest good checkpoint is never in
+  5. During retention: an old checkpoint loses its marker first, then its files (object by
+     object on gs:// and s3://); a half-deleted folder is "uncommitted", never mistaken for good. The newest good checkpoint is never in
      the delete set, and retention runs only after a new checkpoint has committed.
   6. Files damaged after the commit (truncated, deleted, partial copy): the manifest check finds
      a missing file or a size change; `latest_step` reports `checkpoint_damaged` and falls back

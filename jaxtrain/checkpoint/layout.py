@@ -14,8 +14,9 @@ from typing import Callable, Optional
 from etils import epath
 
 from jaxtrain.arguments import Parser
-
+from jaxtrain.config import ConfigError
 from jaxtrain.paths import is_remote
+from jaxtrain.storage import check_access, filesystem
 
 MARKER = "commit.json"
 FORMAT = "jaxtrain-checkpoint/1"
@@ -37,6 +38,8 @@ def to_path(directory: str | os.PathLike) -> epath.Path:
 
 def list_files(folder: epath.Path) -> dict[str, int]:
     """Relative path -> size in bytes of every file below `folder` (the marker excluded)."""
+    if not is_local(os.fspath(folder)):
+        return _list_objects(os.fspath(folder))
     files = {}
     prefix = len(os.fspath(folder).rstrip("/")) + 1
     for dirpath, _, names in folder.walk():
@@ -49,6 +52,27 @@ def list_files(folder: epath.Path) -> dict[str, int]:
                 files[rel] = p.stat().length
             except FileNotFoundError:  # deleted meanwhile (retention of an old checkpoint)
                 pass
+    return files
+
+
+def _fresh(path: str | os.PathLike) -> None:
+    """Drop fsspec's cached listings before looking at a remote folder: gcsfs and s3fs cache
+    them per process, and tensorstore (the arrays) and other processes write behind their back."""
+    if not is_local(os.fspath(path)):
+        filesystem(os.fspath(path)).invalidate_cache()
+
+
+def _list_objects(url: str) -> dict[str, int]:
+    # One recursive listing instead of a walk folder by folder: object stores have no folders,
+    # and a listing is one request per 1000 objects. (epath's walk also breaks on s3fs.)
+    _fresh(url)
+    fs = filesystem(url)
+    root = fs._strip_protocol(url).rstrip("/") + "/"
+    files = {}
+    for name, info in fs.find(url, detail=True).items():
+        rel = name[len(root):] if name.startswith(root) else name
+        if rel != MARKER and info.get("type", "file") == "file":
+            files[rel] = int(info["size"])
     return files
 
 
@@ -85,6 +109,7 @@ def write_atomic(path: epath.Path, text: str) -> None:
 
 def scan(root: epath.Path) -> list[tuple[int, epath.Path, bool]]:
     """(step, folder, is_orbax_temporary) for every checkpoint-like folder, oldest first."""
+    _fresh(root)
     if not root.exists():
         return []
     found = []
@@ -107,6 +132,7 @@ def check_checkpoint(folder: str | epath.Path) -> tuple[bool, Optional[str], Opt
     """
     folder = to_path(folder)
     marker = folder / MARKER
+    _fresh(folder)
     if not marker.exists():
         return False, "no commit marker (the write never finished)", None
     try:
@@ -179,13 +205,18 @@ def main(argv: list[str]) -> int:
     Args:
       argv: arguments after the subcommand.
     Returns:
-      0, or 2 when DIR does not exist.
+      0, or 2 when DIR does not exist or cannot be reached (one line on stderr).
     """
     parser = Parser(prog="jaxtrain checkpoints",
                                      description="List checkpoints: step, status, size, time, mesh.")
     parser.add_argument("directory", help="a run directory or its checkpoints/ folder (local or gs://, s3://)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     args = parser.parse_args(argv)
+    try:
+        check_access(args.directory, key="DIR")
+    except ConfigError as e:
+        print(f"jaxtrain checkpoints: {e}", file=sys.stderr)
+        return 2
     root = to_path(args.directory)
     if (root / "checkpoints").exists():
         root = root / "checkpoints"
