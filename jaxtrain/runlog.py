@@ -9,40 +9,65 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
-from pathlib import Path
 from typing import IO, Any
 
+from jaxtrain import storage
 from jaxtrain.config import Config, save_config
+from jaxtrain.paths import is_remote, join
 from jaxtrain.tensorboard import ScalarWriter
 
 
 class RunLog:
-    """metrics.jsonl, events.jsonl, TensorBoard and the progress line for one run directory."""
+    """metrics.jsonl, events.jsonl, TensorBoard and the progress line for one run directory.
 
-    def __init__(self, output_dir: str | None, *, console: IO[str] | None = None, enabled: bool = True):
+    `output_dir` may be a local directory or a gs:// / s3:// URL. Locally each line reaches the
+    OS as it is written (a killed run keeps every line). Object stores cannot append, so there
+    the files are buffered in memory and each object is rewritten whole: in the background at
+    most every `flush_interval_s` (metrics and TensorBoard at log steps coalesce into one upload
+    per interval), and at once, before returning, on every event (start, checkpoint_saved,
+    resume, done, ...) and on `close()`. So after `checkpoint_saved` for step N, every metrics
+    line up to N is in the bucket: a killed run loses at most the lines after its last event
+    or upload, which a resumed run writes again. A resumed run appends to the objects it finds.
+    A failed upload never stops training: it is reported as one line on the console and
+    retried at the next upload.
+    """
+
+    def __init__(self, output_dir: str | None, *, console: IO[str] | None = None, enabled: bool = True,
+                 flush_interval_s: float = 5.0):
         self.enabled = enabled and output_dir is not None
         self.console = console
         self._tty = bool(console is not None and hasattr(console, "isatty") and console.isatty())
         self._tb = None
         if self.enabled:
-            out = self.output_dir = Path(output_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(out / "metrics.jsonl", "a", buffering=1)
-            self._events = open(out / "events.jsonl", "a", buffering=1)
-            self._tb = ScalarWriter(out / "tensorboard")
+            out = self.output_dir = os.fspath(output_dir)
+            self.remote = is_remote(out)
+            storage.makedirs(out)
+            self._metrics = storage.AppendOnlyFile(join(out, "metrics.jsonl"), flush_interval_s=flush_interval_s)
+            self._events = storage.AppendOnlyFile(join(out, "events.jsonl"), flush_interval_s=flush_interval_s)
+            self._tb = ScalarWriter(join(out, "tensorboard"), flush_interval_s=flush_interval_s)
 
     def write_config(self, cfg: Config) -> None:
         """The resolved config as `config.yaml` (what a resumed or exported run is read back with)."""
-        if self.enabled:
-            save_config(cfg, self.output_dir / "config.yaml")
+        if not self.enabled:
+            return
+        if not self.remote:
+            save_config(cfg, join(self.output_dir, "config.yaml"))
+            return
+        with tempfile.TemporaryDirectory() as tmp:  # config.py owns the format; upload what it writes
+            save_config(cfg, os.path.join(tmp, "config.yaml"))
+            with open(os.path.join(tmp, "config.yaml")) as f:
+                storage.write_text(join(self.output_dir, "config.yaml"), f.read())
 
     def event(self, kind: str, step: int, **details: Any) -> None:
         if not self.enabled:
             return
         record = {"time": time.time(), "step": int(step), "kind": kind, **details}
         self._events.write(json.dumps(record, default=_jsonable) + "\n")
+        self._flush(self._metrics, self._events)  # remote: the event and the metrics before it are stored
         if self.console is not None and kind not in ("checkpoint_saved",):
             self._print(f"[{kind}] step {step} " + " ".join(f"{k}={_short(v)}" for k, v in details.items()), keep=True)
 
@@ -54,7 +79,6 @@ class RunLog:
             self._tb.scalars(record["step"], {
                 f"train/{k}": float(v) for k, v in record.items()
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
-            self._tb.flush()
         if self.console is not None:
             line = (f"step {record['step']:>6}  loss {record['loss']:.4f}  "
                     f"tok/s {record['tokens_per_sec']:,.0f}  MFU {100 * record['mfu']:.1f}%")
@@ -69,16 +93,38 @@ class RunLog:
             self.console.write(line + "\n")
         self.console.flush()
 
+    def _warn(self, message: str) -> None:
+        if self.console is not None:
+            self._print(f"[warning] {message}", keep=True)
+        else:
+            print(f"jaxtrain: warning: {message}", file=sys.stderr)
+
+    def _flush(self, *files: Any) -> None:
+        """Upload now (remote; a no-op locally, where every write already reached the OS)."""
+        if not self.remote:
+            return
+        for f in files:
+            try:
+                f.flush()
+            except Exception as e:  # the logs must not stop training; the next upload retries
+                self._warn(f"could not upload {f.path}: {_first_line(e)}")
+
     def close(self) -> None:
         if not self.enabled:
             return
         if self._tty and self.console is not None:
             self.console.write("\n")
-        self._metrics.close()
-        self._events.close()
-        if self._tb is not None:
-            self._tb.close()
+        for f in (self._metrics, self._events, self._tb):
+            try:
+                f.close()
+            except Exception as e:  # remote: the last upload failed; say so, do not mask the run's result
+                self._warn(f"could not upload {getattr(f, 'path', '')} at close: {_first_line(e)}")
         self.enabled = False
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _jsonable(x: Any) -> Any:

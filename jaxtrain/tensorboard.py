@@ -14,6 +14,9 @@ import struct
 import time
 from pathlib import Path
 
+from jaxtrain import storage
+from jaxtrain.paths import join
+
 
 def _crc32c_table() -> list[int]:
     table = []
@@ -70,12 +73,20 @@ def _event(step: int, *, file_version: str | None = None, scalars: dict[str, flo
 
 
 class ScalarWriter:
-    """Appends scalar summaries to one `events.out.tfevents.*` file in `log_dir`."""
+    """Appends scalar summaries to one `events.out.tfevents.*` file in `log_dir`.
 
-    def __init__(self, log_dir: str | Path):
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    `log_dir` may be a gs:// or s3:// URL (TensorBoard reads both): the file is then kept in
+    memory and the object rewritten, in the background at most every `flush_interval_s` and at
+    `close()` (see `jaxtrain.storage.AppendOnlyFile`); TensorBoard reads a rewritten event file
+    like a growing local one.
+    """
+
+    def __init__(self, log_dir: str | Path, *, flush_interval_s: float = 5.0):
+        log_dir = os.fspath(log_dir)
+        storage.makedirs(log_dir)
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self._file = open(Path(log_dir) / name, "ab")
+        self._file = storage.AppendOnlyFile(join(log_dir, name), flush_interval_s=flush_interval_s)
+        self.path = self._file.path
         self._write(_event(0, file_version="brain.Event:2"))
 
     def _write(self, data: bytes) -> None:
@@ -87,6 +98,7 @@ class ScalarWriter:
         self._write(_event(step, scalars=values))
 
     def flush(self) -> None:
+        """Make the records durable now (a local file is flushed after every record anyway)."""
         self._file.flush()
 
     def close(self) -> None:
@@ -94,8 +106,8 @@ class ScalarWriter:
 
 
 def read_scalars(path: str | Path) -> list[tuple[int, str, float]]:
-    """(step, tag, value) from an event file written by ScalarWriter, checking every CRC."""
-    data, out, pos = Path(path).read_bytes(), [], 0
+    """(step, tag, value) from an event file written by ScalarWriter (a path or a URL), checking every CRC."""
+    data, out, pos = storage.read_bytes(os.fspath(path)), [], 0
     while pos < len(data):
         (length,) = struct.unpack_from("<Q", data, pos)
         (hcrc,) = struct.unpack_from("<I", data, pos + 8)
