@@ -1,0 +1,282 @@
+"""Run directories in object storage, against real local servers started here: Google Cloud
+Storage (gcp-storage-emulator) and S3 (moto_server). No client library is mocked: checkpoints go
+through tensorstore's gcs / s3 drivers, small files and listings through gcsfs / s3fs.
+
+Each backend: SIGKILL mid-run then the same command resumes bitwise (the real CLI), the run's
+files are in the bucket, `jaxtrain checkpoints URL` lists them, a damaged latest checkpoint falls
+back to the previous one, retention deletes the objects, a checkpoint saved on one mesh restores
+onto another (and across process counts), and a wrong bucket or missing credentials is one line
+on stderr with exit 2 and nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from storage_servers import storage_servers  # noqa: E402
+from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
+
+from jaxtrain import checkpoint as ckpt_lib  # noqa: E402
+from jaxtrain import storage  # noqa: E402
+from jaxtrain.checkpoint import Checkpointer  # noqa: E402
+from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.tensorboard import read_scalars  # noqa: E402
+from jaxtrain.trainer import Trainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs/tiny.yaml")
+BACKENDS = ["gs", "s3"]
+BUCKET = "jaxtrain-test"
+STEPS, KILL_AT, EVERY = 20, 13, 5
+RUN = [f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.every_steps={EVERY}", "model.num_layers=1",
+       "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=8", "data.seq_len=32"]
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Both servers on free ports with bucket BUCKET, and the environment that points at them
+    (set in this process too, for the in-process tests; subprocesses inherit it)."""
+    with storage_servers(tmp_path_factory.mktemp("servers"), [BUCKET]) as env:
+        yield env
+
+
+def objects(url: str) -> list[str]:
+    """Every object below `url`, fresh from the server (fsspec caches listings)."""
+    fs = storage.filesystem(url)
+    fs.invalidate_cache()
+    return sorted(fs.find(url))
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def train_cmd(out: str, cache: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
+            f"checkpoint.compilation_cache_dir={cache}", *RUN, *extra, "--cpu-devices", "1"]
+
+
+def run_cli(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env={**os.environ, **env})
+
+
+def read_jsonl(url_or_path: str) -> list[dict]:
+    return [json.loads(line) for line in storage.read_bytes(url_or_path).decode().splitlines()]
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_jsonl(f"{run_dir}/metrics.jsonl")}  # later lines win
+
+
+def final_params(run_dir: str) -> dict:
+    trainer = Trainer(load_config(TINY, RUN + ["checkpoint.compilation_cache_dir=null"]), write_files=False,
+                      devices=jax.devices()[:1])
+    return jax.device_get(ckpt_lib.restore_params_only(run_dir, trainer.abstract_state()["params"]))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache) -> str:
+    """The uninterrupted run, on local disk (storage does not change numerics)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    r = run_cli(train_cmd(str(out), cache), cwd=out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def resumed(request, servers, cache, tmp_path_factory) -> tuple[str, Path]:
+    """A run in the bucket, SIGKILLed after step KILL_AT, then the same command to the end."""
+    url = f"{request.param}://{BUCKET}/resume"
+    cwd = tmp_path_factory.mktemp(f"cwd_{request.param}")
+    killed = run_cli(train_cmd(url, cache, f"chaos.kill_at_step={KILL_AT}"), cwd=cwd)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # The restart counter (set by `jaxtrain launch`) keeps the drill from firing again.
+    again = run_cli(train_cmd(url, cache, f"chaos.kill_at_step={KILL_AT}"), cwd=cwd, JAXTRAIN_RESTART_ATTEMPT="1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    return url, cwd
+
+
+@pytest.mark.slow
+def test_sigkill_then_same_command_resumes_bitwise(resumed, reference):
+    url, _ = resumed
+    events = read_jsonl(f"{url}/events.jsonl")
+    restored = next(e for e in events if e["kind"] == "resume")["restored_step"]
+    # The kill lands 3 steps after step 10's save: its write may still have been in flight.
+    assert restored in (5, 10), restored
+    ref, got = losses(reference), losses(url)
+    for step in range(restored + 1, STEPS + 1):
+        assert got[step] == ref[step], (step, got[step], ref[step])  # bitwise, not approximately
+    a, b = final_params(url), final_params(reference)
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(
+        jax.tree.map(np.zeros_like, b)))), "the parameters must not be trivially zero"
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        assert np.array_equal(x, y), jax.tree_util.keystr(path)
+
+
+@pytest.mark.slow
+def test_run_files_are_in_the_bucket(resumed):
+    url, cwd = resumed
+    names = {o.split("/resume/", 1)[1] for o in objects(url)}
+    assert {"config.yaml", "metrics.jsonl", "events.jsonl"} <= names
+    cfg_text = storage.read_bytes(f"{url}/config.yaml").decode()  # the resolved config
+    assert f"steps: {STEPS}" in cfg_text and url in cfg_text
+    events = read_jsonl(f"{url}/events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("start") == 2 and "resume" in kinds and kinds[-1] == "done"
+    # Object stores cannot append: the logs are rewritten whole, in the background and at every
+    # event. So each checkpoint_saved in events.jsonl had every metrics line up to its step
+    # stored with it, even in the killed run; the resumed run wrote every step after its restore.
+    restored = next(e for e in events if e["kind"] == "resume")["restored_step"]
+    saved_before_kill = [e["step"] for e in events[:kinds.index("start", 1)] if e["kind"] == "checkpoint_saved"]
+    assert saved_before_kill, kinds
+    required = set(range(1, max(saved_before_kill) + 1)) | set(range(restored + 1, STEPS + 1))
+    assert required <= set(losses(url)), sorted(required - set(losses(url)))
+    tb = [n for n in names if n.startswith("tensorboard/events.out.tfevents.")]
+    assert len(tb) == 2  # one event file per process start, as TensorBoard expects
+    scalars = sum((read_scalars(f"{url}/{n}") for n in tb), [])
+    assert {s for s, tag, _ in scalars if tag == "train/loss"} >= set(range(KILL_AT + 1, STEPS + 1))
+    assert not any(name in os.listdir(cwd) for name in ("gs:", "s3:")), "nothing may land in a local 'gs:'/'s3:'"
+    for e in events:  # no secret in any event
+        assert "testing" not in json.dumps(e) and "test-token" not in json.dumps(e)
+
+
+@pytest.mark.slow
+def test_checkpoints_command_lists_the_bucket(resumed):
+    url, cwd = resumed
+    r = run_cli([sys.executable, "-m", "jaxtrain.cli", "checkpoints", url], cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"latest good: {STEPS}" in r.stdout and "good" in r.stdout
+    rows = [json.loads(line) for line in run_cli([sys.executable, "-m", "jaxtrain.cli", "checkpoints", url,
+                                                  "--json"], cwd=cwd).stdout.splitlines()]
+    good = [row["step"] for row in rows if row["valid"]]
+    assert good[-1] == STEPS and len(good) <= 3 and all(row["path"].startswith(url) for row in rows)
+
+
+# ----------------------------------------------------------------------------- library, in process
+
+
+@pytest.mark.parametrize("scheme", BACKENDS)
+def test_damaged_latest_falls_back_and_restores_onto_another_mesh(servers, scheme):
+    url = f"{scheme}://{BUCKET}/damaged/checkpoints"
+    two = mesh_of(2, 1, 1)  # saved on 2 devices, data=2
+    ck = Checkpointer(url, cfg())
+    for step in (1, 2, 3):
+        ck.save(step, to_device(host_state(seed=step), two), {"step": step})
+    ck.wait()
+    fs = storage.filesystem(url)
+    fs.rm(f"{url}/3/{ckpt_lib.MARKER}")  # killed between Orbax's commit and our marker
+    data = [o for o in objects(f"{url}/2/state") if not o.rsplit("/", 1)[1].startswith(("_", ".", "manifest"))]
+    biggest = max(data, key=lambda o: fs.size(o))
+    fs.pipe_file(biggest, fs.cat_file(biggest)[: fs.size(biggest) // 2])  # a truncated data object
+
+    events = Events()
+    ck2 = Checkpointer(url, cfg(), on_event=events)
+    assert ck2.latest_step() == 1
+    damaged = dict(events.kinds("checkpoint_damaged"))
+    assert set(damaged) == {2, 3}
+    assert "no commit marker" in damaged[3]["reason"] and "the manifest says" in damaged[2]["reason"]
+    four = mesh_of(1, 4, 1)  # restored on 4 devices, fsdp=4
+    assert not matches(to_device(host_state(seed=0), four), host_state(seed=1))
+    state, extra = ck2.restore(1, abstract(host_state(0), four))
+    assert matches(state, host_state(seed=1)) and extra == {"step": 1}
+    assert state["params"]["layers"]["w"].sharding.mesh.devices.size == 4
+    with pytest.raises(ckpt_lib.CheckpointError, match="manifest"):
+        ck2.restore(2, abstract(host_state(0), four))
+
+
+@pytest.mark.parametrize("scheme", BACKENDS)
+def test_retention_deletes_the_objects(servers, scheme):
+    url = f"{scheme}://{BUCKET}/retention/checkpoints"
+    ck = Checkpointer(url, cfg(keep_last=2))
+    state = to_device(host_state(seed=1), mesh_of(1, 2, 1))
+    for step in range(1, 6):
+        ck.save(step, state, {})
+    ck.wait()
+    steps = {o.split("/checkpoints/", 1)[1].split("/", 1)[0] for o in objects(url)}
+    assert steps == {"4", "5"}, steps
+    assert ck.latest_step() == 5
+
+
+def test_object_log_appends_across_writers(servers):
+    """A resumed run appends to the objects it finds; flush() uploads and waits."""
+    url = f"s3://{BUCKET}/appender/metrics.jsonl"
+    first = storage.AppendOnlyFile(url, flush_interval_s=60)
+    first.write("a\n")
+    first.flush()
+    assert storage.read_bytes(url) == b"a\n"
+    first.write("b\n")  # never flushed: a kill would lose it, the next writer starts from "a"
+    second = storage.AppendOnlyFile(url, flush_interval_s=0.05)
+    second.write("c\n")
+    deadline = time.monotonic() + 10
+    while storage.read_bytes(url) != b"a\nc\n" and time.monotonic() < deadline:
+        time.sleep(0.05)  # the background upload
+    assert storage.read_bytes(url) == b"a\nc\n"
+    second.close()
+
+
+# ----------------------------------------------------------------------------- user errors
+
+
+@pytest.mark.parametrize("scheme", BACKENDS)
+def test_wrong_bucket_is_one_line_exit_2_nothing_written(servers, scheme, cache, tmp_path):
+    url = f"{scheme}://no-such-bucket-here/run"
+    before = objects(f"{scheme}://{BUCKET}")
+    r = run_cli(train_cmd(url, cache), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no-such-bucket-here" in r.stderr and "does not exist" in r.stderr
+    r = run_cli([sys.executable, "-m", "jaxtrain.cli", "checkpoints", url], cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
+    assert objects(f"{scheme}://{BUCKET}") == before and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("scheme", BACKENDS)
+def test_missing_credentials_is_one_line_exit_2_nothing_written(servers, scheme, cache, tmp_path):
+    url = f"{scheme}://{BUCKET}/no-credentials"
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS",
+        "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "FSSPEC_GCS_TOKEN")}
+    env["CLOUDSDK_CONFIG"] = str(tmp_path / "no-gcloud")  # no gcloud user credentials either
+    r = subprocess.run(train_cmd(url, cache), capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert ("no AWS credentials" if scheme == "s3" else "no Google Cloud credentials") in r.stderr
+    assert objects(url) == [] and os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scheme", BACKENDS)
+def test_two_processes_save_to_the_bucket_and_one_restores(servers, scheme):
+    from test_checkpoint_multiprocess import run_workers
+    one_proc, two_procs = f"{scheme}://{BUCKET}/mp/saved_by_1x8", f"{scheme}://{BUCKET}/mp/saved_by_2x4"
+    with Checkpointer(one_proc, cfg()) as ck:
+        assert ck.save(5, to_device(host_state(seed=5), mesh_of(2, 2, 2)), {"from": "1x8"})
+    outputs = run_workers("roundtrip", one_proc, two_procs)  # 2 processes x 4 devices restore it, save step 7
+    assert all("RESTORED OK" in out and "SAVED OK" in out for out in outputs), outputs
+    marker = json.loads(storage.read_bytes(f"{two_procs}/7/{ckpt_lib.MARKER}"))
+    assert marker["process_count"] == 2
+    ck = Checkpointer(two_procs, cfg())
+    assert ck.latest_step() == 7
+    state, extra = ck.restore(7, abstract(host_state(0), mesh_of(1, 1, 1)))
+    assert matches(state, host_state(seed=7)) and extra == {"from": "2x4"}
