@@ -232,7 +232,8 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     # Stage 0's slot of `loop` holds every microbatch's input for its next round (its own rows
     # at first, then what left the last stage). The other slots are never read: the buffer has a
     # stage dimension only so that writing to it stays on stage 0's devices.
-    loop_SMBLD = constrain(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)), ("layers", None, "batch", "length", "act_embed"))
+    loop_SMBLD = constrain(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)),
+                           ("layers", None, "batch", "length", "act_embed"))
     stage_S = jnp.arange(S)
 
     def one_replica(x_BLD, pos_BL, seg_BL, w):
