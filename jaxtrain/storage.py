@@ -122,6 +122,12 @@ def check_access(url: str, *, key: str = "run.output_dir") -> None:
         raise ConfigError(f"{where}: only local paths, gs:// and s3:// URLs are supported")
     if not bucket:
         raise ConfigError(f"{where} names no bucket (expected {scheme}://BUCKET/PATH)")
+    emulated = [bool(os.environ.get(k)) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")]
+    if scheme == "gs" and emulated[0] != emulated[1]:
+        # gcsfs (small files, listings) reads one, tensorstore (the arrays) the other: with only
+        # one set, half of every checkpoint would go to the emulator and half to the real GCS.
+        raise ConfigError(f"{where}: set both STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL to the "
+                          "GCS emulator's URL, or neither")
     if (scheme, bucket) in _ok:
         return
     module, extra = _EXTRAS[scheme]

@@ -30,7 +30,7 @@ from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of,
 from jaxtrain import checkpoint as ckpt_lib  # noqa: E402
 from jaxtrain import storage  # noqa: E402
 from jaxtrain.checkpoint import Checkpointer  # noqa: E402
-from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.tensorboard import read_scalars  # noqa: E402
 from jaxtrain.trainer import Trainer  # noqa: E402
 
@@ -216,20 +216,30 @@ def test_retention_deletes_the_objects(servers, scheme):
 
 
 def test_object_log_appends_across_writers(servers):
-    """A resumed run appends to the objects it finds; flush() uploads and waits."""
+    """A resumed run appends to the object it finds; flush() uploads and waits; what a killed
+    writer had not uploaded is lost (and only that)."""
     url = f"s3://{BUCKET}/appender/metrics.jsonl"
-    first = storage.AppendOnlyFile(url, flush_interval_s=60)
-    first.write("a\n")
-    first.flush()
+    killed = subprocess.run([sys.executable, "-c", f"""
+import os, time
+from jaxtrain.storage import AppendOnlyFile
+f = AppendOnlyFile("{url}", flush_interval_s=60)
+f.write("a\\n")
+f.flush()
+time.sleep(1)  # the uploader has seen "a" (its first upload is at once); the next waits 60 s
+f.write("b\\n")  # never uploaded: the background upload waits 60 s
+os._exit(0)  # like a kill: no close()
+"""], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 0, killed.stderr[-2000:]
     assert storage.read_bytes(url) == b"a\n"
-    first.write("b\n")  # never flushed: a kill would lose it, the next writer starts from "a"
     second = storage.AppendOnlyFile(url, flush_interval_s=0.05)
     second.write("c\n")
     deadline = time.monotonic() + 10
     while storage.read_bytes(url) != b"a\nc\n" and time.monotonic() < deadline:
         time.sleep(0.05)  # the background upload
     assert storage.read_bytes(url) == b"a\nc\n"
+    second.write("d\n")
     second.close()
+    assert storage.read_bytes(url) == b"a\nc\nd\n"
 
 
 # ----------------------------------------------------------------------------- user errors
@@ -260,6 +270,15 @@ def test_missing_credentials_is_one_line_exit_2_nothing_written(servers, scheme,
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert ("no AWS credentials" if scheme == "s3" else "no Google Cloud credentials") in r.stderr
     assert objects(url) == [] and os.listdir(tmp_path) == []
+
+
+def test_half_configured_gcs_emulator_is_refused(servers, monkeypatch):
+    """gcsfs and tensorstore read different variables: with one set, a checkpoint would be split
+    between the emulator and the real GCS."""
+    storage.check_access(f"gs://{BUCKET}/x")
+    monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL")
+    with pytest.raises(ConfigError, match="set both STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL"):
+        storage.check_access(f"gs://{BUCKET}/x", key="run.output_dir")
 
 
 # ----------------------------------------------------------------------------- several processes
