@@ -65,3 +65,8 @@ class Chaos:
             os.kill(os.getpid(), signal.SIGKILL)  # die without any cleanup
         if c.slow_seconds > 0 and self.process_index == c.slow_process:
             time.sleep(c.slow_seconds)  # a straggler: same numerics, later
+        if self.armed and step == c.hang_at_step and self.process_index == c.hang_process:
+            jax.block_until_ready(state)
+            self.event("chaos", step, drill="hang", process=self.process_index)
+            while True:  # a hung host: alive, silent, holding its devices
+                time.sleep(3600)

@@ -84,6 +84,7 @@ COMMANDS = {
     "launch": (_passthrough("jaxtrain.launch"), "start and supervise several local processes of one job"),
     "prepare-data": (_passthrough("jaxtrain.data.prepare"), "tokenize text/jsonl files into token files"),
     "checkpoints": (_passthrough("jaxtrain.checkpoint"), "list the checkpoints of a run directory"),
+    "preflight": (_passthrough("jaxtrain.preflight"), "measure every process's devices and links; name the bad ones"),
     "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),
     "export-hf": (_passthrough("jaxtrain.hf.exporter"), "write a run's parameters as a Hugging Face Llama checkpoint"),
 }

@@ -171,6 +171,21 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FaultConfig:
+    """Noticing failures: hang watchdog, stragglers, preflight health check (jaxtrain/watchdog.py,
+    stragglers.py, preflight.py)."""
+
+    hang_timeout_s: float = 600.0  # no step finished for this long -> stacks dumped, `hang` event, exit 75 (0 = off)
+    startup_timeout_s: float = 1800.0  # deadline for start-up: restore and the first compile and step
+    checkpoint_timeout_s: float = 1800.0  # deadline for one checkpoint save or restore call
+    straggler_every: int = 50  # steps between cross-process comparisons of host step times (0 = off)
+    straggler_factor: float = 1.5  # a process this many times slower than the median is a straggler
+    preflight: bool = True  # health check before training on multi-process jobs (always via `jaxtrain preflight`)
+    preflight_factor: float = 0.7  # a process or link below this fraction of the median is named
+    preflight_action: Literal["warn", "exit"] = "warn"  # exit: a named process stops the job with exit 75
+
+
+@dataclasses.dataclass(frozen=True)
 class ChaosConfig:
     """Fault injection for tests and drills; all off by default."""
 
@@ -184,6 +199,8 @@ class ChaosConfig:
     nan_at_steps: list = dataclasses.field(default_factory=list)  # those batches give non-finite gradients
     spike_at_steps: list = dataclasses.field(default_factory=list)  # those batches' loss and gradients x spike_factor
     spike_factor: float = 100.0
+    hang_at_step: int = -1  # hang_process stops making progress right after this step (first attempt only)
+    hang_process: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +214,7 @@ class Config:
     data: DataConfig = DataConfig()
     precision: PrecisionConfig = PrecisionConfig()
     stability: StabilityConfig = StabilityConfig()
+    fault: FaultConfig = FaultConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     chaos: ChaosConfig = ChaosConfig()
 
@@ -462,6 +480,14 @@ def validate(cfg: Config) -> None:
         ("stability.max_rollbacks", st.max_rollbacks, st.max_rollbacks >= 0, "must be >= 0"),
         ("stability.z_loss", st.z_loss, st.z_loss >= 0, "must be >= 0"),
         ("chaos.spike_factor", cfg.chaos.spike_factor, cfg.chaos.spike_factor > 0, "must be positive"),
+        ("fault.hang_timeout_s", cfg.fault.hang_timeout_s, cfg.fault.hang_timeout_s >= 0, "must be >= 0 (0 = off)"),
+        ("fault.startup_timeout_s", cfg.fault.startup_timeout_s, cfg.fault.startup_timeout_s > 0, "must be positive"),
+        ("fault.checkpoint_timeout_s", cfg.fault.checkpoint_timeout_s, cfg.fault.checkpoint_timeout_s > 0,
+         "must be positive"),
+        ("fault.straggler_every", cfg.fault.straggler_every, cfg.fault.straggler_every >= 0, "must be >= 0 (0 = off)"),
+        ("fault.straggler_factor", cfg.fault.straggler_factor, cfg.fault.straggler_factor > 1, "must be > 1"),
+        ("fault.preflight_factor", cfg.fault.preflight_factor, 0 < cfg.fault.preflight_factor < 1,
+         "must be within (0, 1)"),
     ]
     for key, value, ok, rule in checks:
         if not ok:

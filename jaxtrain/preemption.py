@@ -7,8 +7,8 @@ Which step every process stops after, and whether a time-based checkpoint is due
 same on every process. `HostSync` decides both every `train.host_sync_every` steps and never in
 between, so ordinary steps make no cross-process call: at a sync step each process queues its
 flags into one tiny device all-reduce, and reads the agreed result one step later (when it has
-long finished), so the host never waits for the device on its account. A single process
-decides on its own, at every step.
+long finished: `hostcomm.LateAllGather`), so the host never waits for the device on its account. A
+single process decides on its own, at every step.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import signal
 import threading
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+
+from jaxtrain.hostcomm import LateAllGather
 
 
 class StopSignals:
@@ -67,23 +67,18 @@ class HostSync:
     def __init__(self, mesh: Mesh, every: int, process_count: int):
         self.every = every
         self.process_count = process_count
-        self.calls: list[int] = []  # steps at which a cross-process reduction was queued (tests, goodput)
-        self._pending: tuple[int, jax.Array] | None = None
-        self._local_devices = len(mesh.local_devices)
-        self._sharding = NamedSharding(mesh, P(mesh.axis_names))
-        self._reduce = jax.jit(lambda flags: jnp.max(flags, axis=0), out_shardings=NamedSharding(mesh, P()))
+        self.calls: list[int] = []  # steps at which a cross-process gather was queued (tests)
+        self._gather = LateAllGather(mesh) if process_count > 1 else None
 
     def poll(self, step: int, stop_requested: bool, save_due: bool) -> Decision:
         """The decision after `step`, given this process's own flags (same answer on every process)."""
-        if self.process_count == 1:
+        if self._gather is None:
             return Decision(stop=stop_requested, save=save_due)
         decision = Decision()
-        if self._pending is not None and step == self._pending[0] + 1:
-            agreed = np.asarray(self._pending[1].addressable_data(0))  # replicated: any local copy
-            decision = Decision(stop=bool(agreed[0]), save=bool(agreed[1]))
-            self._pending = None
+        table = self._gather.result(step)
+        if table is not None:  # any process's flag counts
+            decision = Decision(stop=bool(table[:, 0].max()), save=bool(table[:, 1].max()))
         if step % self.every == 0:
-            flags = np.tile(np.array([[stop_requested, save_due]], np.int32), (self._local_devices, 1))
-            self._pending = (step, self._reduce(jax.make_array_from_process_local_data(self._sharding, flags)))
+            self._gather.start(step, np.array([stop_requested, save_due], np.float64))
             self.calls.append(step)
         return decision

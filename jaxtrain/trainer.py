@@ -19,6 +19,7 @@ drills (`chaos.py`), the agreed stop/save decision (`preemption.py`), checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -31,7 +32,7 @@ from flax import nnx
 
 import kernels
 from jaxtrain import __version__
-from jaxtrain.chaos import Chaos
+from jaxtrain.chaos import Chaos, restart_attempt
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
@@ -43,10 +44,13 @@ from jaxtrain.paths import is_remote, join
 from jaxtrain.preemption import HostSync, StopSignals
 from jaxtrain.runlog import RunLog
 from jaxtrain.sharding import check_attention_layout, global_batch
+from jaxtrain.preflight import run_preflight
 from jaxtrain.stability import RollbackLog, RollbackRequest, SpikeGuard
+from jaxtrain.stragglers import Stragglers, job_hosts
 from jaxtrain.state import State, build_layout
 from jaxtrain.step import BATCH_KEYS
 from jaxtrain.throughput import Throughput, flops_per_step, peak_flops_per_device
+from jaxtrain.watchdog import Watchdog
 
 
 def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int]) -> str:
@@ -125,7 +129,13 @@ class Trainer:
         # collective calls whatever the filesystem shows: the latest-step agreement runs on all
         # of them, also on a fresh run (where it agrees on "none").
         self.output_dir = cfg.run.output_dir
+        self.watchdog = Watchdog(cfg.fault if write_files else dataclasses.replace(cfg.fault, hang_timeout_s=0),
+                                 output_dir=self.output_dir, process_index=self.process_index,
+                                 process_count=self.process_count, attempt=restart_attempt())
+        self.watchdog.beat(0, "startup")
+        self.watchdog.start()
         self.chaos.at_start()
+        self.hosts = job_hosts(self.process_index, self.process_count)
         checkpoint_dir = join(self.output_dir, "checkpoints")
         self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
         self.guard = SpikeGuard(cfg, self._event)
@@ -157,6 +167,11 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
         self.throughput = Throughput(flops_per_step(cfg), self.peak_flops, self.mesh.size, self._host_step)
         self.signals = StopSignals()
+        self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
+                                     self._event)
+        self._blocked_s = 0.0  # this iteration's time blocked on the device (straggler accounting)
+        self._fit_start = self._host_step
+        self.watchdog.beat(self._host_step, "idle")  # built: no deadline until fit() runs
         self._skips_done: int | None = None  # the step at which rolled-back batches were last skipped
         self._stop_details: dict = {}  # what the event of an early stop says besides its kind
         self.host_sync = HostSync(self.mesh, cfg.train.host_sync_every, self.process_count)
@@ -220,7 +235,9 @@ class Trainer:
         """A finished step's metrics as Python values (a host sync on that step, which the loop
         does one step late: by then the device has the next step queued)."""
         if pending.values is None:
+            t = time.perf_counter()
             pending.values = {k: v.item() for k, v in jax.device_get(pending.metrics).items()}
+            self._blocked_s += time.perf_counter() - t  # waiting for the device (and the other processes)
         return pending.values
 
     def _record(self, pending: _Pending) -> dict:
@@ -276,49 +293,77 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train until train.steps (or a preemption signal). Returns {"step", "exit_code"}."""
-        cfg = self.cfg
-        start = self._host_step
+        if not self._preflight():
+            return {"step": self._host_step, "exit_code": EXIT_RESTART}
+        self.watchdog.beat(self._host_step, "startup")  # compile and first step: the start-up deadline
         if self.compiled_step is None:
             self._compile()
-        self.log.event("start", start, devices=self.mesh.size, processes=self.process_count,
-                       mesh=self.mesh_sizes, params=self.num_params, attention=self.attention,
-                       compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
-                       peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
-        self.throughput.restart(start)
+        self._log_start()
         stop: str | None = None  # why the loop ends early: "preempted" or "rollback_limit"
         with self.signals:
-            while self._host_step < cfg.train.steps and stop is None:
-                self._skip_rolled_back_batches()
-                previous = self._take_pending()
-                self._pending = self._dispatch()
-                step = self._pending.step
-                request = self._observe(previous)
-                if request is not None:
-                    if not self._roll_back(request):
-                        stop = "rollback_limit"  # stability.max_rollbacks spent
-                        break
-                    continue
-                if step == start + 1 and self.resumed_from is not None:
-                    self._report_resume()
-                self.chaos.after_step(step, self.state)
-                if self.signals.requested and not self.signals.reported:
-                    self.signals.reported = True
-                    self.log.event("signal", step, signal=self.signals.requested)
-                time_due = self.checkpointer is not None and self.checkpointer.time_due()
-                decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
-                stop = "preempted" if decision.stop else None
-                self._maybe_save(step, last=step == cfg.train.steps, time_due=decision.save, force=decision.stop)
+            while self._host_step < self.cfg.train.steps and stop is None:
+                stop = self._iteration()
             if stop != "rollback_limit":  # (after a rollback limit, the queued step belongs to no run)
                 self._observe(self._take_pending(), force_log=True)
             if self.checkpointer is not None:
-                self.checkpointer.wait()  # the last checkpoint is committed before we report done
+                with self.watchdog.phase("checkpoint"):
+                    self.checkpointer.wait()  # the last checkpoint is committed before we report done
         jax.block_until_ready(self.state)
+        self.watchdog.beat(self._host_step, "idle")
         skipped = int(jax.device_get(self.state["stability"]["skipped_steps"]))
         if stop is not None:
             self.log.event(stop, self._host_step, exit_code=EXIT_RESTART, skipped_steps=skipped, **self._stop_details)
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
-        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks or ()))
+        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks or ()),
+                       stragglers=dict(self.stragglers.reports))
         return {"step": self._host_step, "exit_code": EXIT_OK}
+
+    def _iteration(self) -> str | None:
+        """One turn of the loop: queue step N+1, read step N, let each capability act. Returns a
+        reason to stop ("preempted", "rollback_limit") or None."""
+        t0, self._blocked_s = time.perf_counter(), 0.0
+        self._skip_rolled_back_batches()
+        previous = self._take_pending()
+        self._pending = self._dispatch()
+        step = self._pending.step
+        request = self._observe(previous)  # reads step N's metrics (blocks until it is done)
+        if previous is not None:
+            self.watchdog.beat(previous.step)
+        if request is not None:
+            return None if self._roll_back(request) else "rollback_limit"
+        if step == self._fit_start + 1 and self.resumed_from is not None:
+            self._report_resume()
+        self.chaos.after_step(step, self.state)
+        if self.signals.requested and not self.signals.reported:
+            self.signals.reported = True
+            self.log.event("signal", step, signal=self.signals.requested)
+        time_due = self.checkpointer is not None and self.checkpointer.time_due()
+        decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
+        with self.watchdog.phase("checkpoint"):
+            self._maybe_save(step, last=step == self.cfg.train.steps, time_due=decision.save, force=decision.stop)
+        wall = time.perf_counter() - t0
+        self.stragglers.after_step(step, wall - self._blocked_s, self._pending.data_wait_s, wall)
+        return "preempted" if decision.stop else None
+
+    def _preflight(self) -> bool:
+        """The health check of a multi-process job (fault.preflight); False: stop (exit 75)."""
+        if not (self.cfg.fault.preflight and self.process_count > 1):
+            return True
+        with self.watchdog.phase("startup"):
+            report = run_preflight(self.cfg, self.mesh, self.hosts, self.log.event)
+        if report["named"] and self.cfg.fault.preflight_action == "exit":
+            self.log.event("preflight_failed", self._host_step, named=report["named"], hosts=report["named_hosts"],
+                           exit_code=EXIT_RESTART)
+            return False
+        return True
+
+    def _log_start(self) -> None:
+        self._fit_start = self._host_step
+        self.log.event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
+                       hosts=self.hosts, mesh=self.mesh_sizes, params=self.num_params, attention=self.attention,
+                       compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
+                       peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
+        self.throughput.restart(self._host_step)
 
     # ------------------------------------------------------------------ rollback
 
@@ -354,8 +399,9 @@ class Trainer:
             return True
         self._pending = None  # the step queued after the last spike is thrown away with its state
         self.rollbacks.add(from_step=at, to_step=target, skip_batches=s.skip_batches, spike_steps=request.spike_steps)
-        discarded = self.checkpointer.discard_after(target)
-        self.state, extra = self.checkpointer.restore(target, self.abstract_state())
+        with self.watchdog.phase("checkpoint"):
+            discarded = self.checkpointer.discard_after(target)
+            self.state, extra = self.checkpointer.restore(target, self.abstract_state())
         self.data.set_state(extra["data"])
         self._host_step = target
         self._skips_done = None  # the loop applies this rollback's skip (and earlier ones to the same step) next
@@ -389,7 +435,8 @@ class Trainer:
         self.checkpointer.wait()
 
     def close(self) -> None:
-        """Wait for the checkpoint in flight, stop the data threads, close the logs."""
+        """Wait for the checkpoint in flight, stop the data threads and the watchdog, close the logs."""
+        self.watchdog.stop()
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
