@@ -243,7 +243,7 @@ class Trainer:
     def _record(self, pending: _Pending) -> dict:
         """The metrics.jsonl record of a finished step."""
         values, d = self._values(pending), self.cfg.data
-        record = {"step": pending.step, **{k: values[k] for k in RECORDED},
+        record = {"step": pending.step, "time": time.time(), **{k: values[k] for k in RECORDED},
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
                   "tokens_per_step": d.global_batch_size * d.seq_len}
