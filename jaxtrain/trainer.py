@@ -124,37 +124,23 @@ class Trainer:
         self.data = build_train_data(cfg, self.process_index, self.process_count)
         self.compiled_step = None  # compiled on first use (see _compile)
 
-        # Restore or init, in this order: (1) this run's own latest good checkpoint, (2) the
-        # parameters of checkpoint.init_from, (3) fresh. Every process takes the same path of
-        # collective calls whatever the filesystem shows: the latest-step agreement runs on all
-        # of them, also on a fresh run (where it agrees on "none").
+        # Restore or init. Every process takes the same path of collective calls whatever the
+        # filesystem shows: the latest-step agreement runs on all of them, also on a fresh run
+        # (where it agrees on "none"). The watchdog covers it with the start-up deadline.
         self.output_dir = cfg.run.output_dir
         self.watchdog = Watchdog(cfg.fault if write_files else dataclasses.replace(cfg.fault, hang_timeout_s=0),
                                  output_dir=self.output_dir, process_index=self.process_index,
                                  process_count=self.process_count, attempt=restart_attempt())
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
-        self.chaos.at_start()
-        self.hosts = job_hosts(self.process_index, self.process_count)
-        checkpoint_dir = join(self.output_dir, "checkpoints")
-        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
         self.guard = SpikeGuard(cfg, self._event)
-        self.rollbacks = RollbackLog(checkpoint_dir, primary=self.process_index == 0) if write_files else None
-        for record in self.rollbacks.records if self.rollbacks is not None else []:
-            # A rollback that died before discarding what it superseded: finish it (idempotent).
-            self.checkpointer.discard_after(record["to_step"], committed_before=record["time"])
-        self.resumed_from: int | None = None
-        latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
-        if latest is not None:
-            self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
-            self.data.set_state(extra["data"])
-            self.resumed_from = latest
-        else:
-            self.state = self.layout.init()
-            if cfg.checkpoint.init_from:
-                params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
-                self.state = {**self.state, "params": params}
-                self._event("init_from", 0, path=cfg.checkpoint.init_from)
+        try:
+            self.chaos.at_start()
+            self.hosts = job_hosts(self.process_index, self.process_count)
+            self._restore_or_init(write_files)
+        except BaseException:
+            self.watchdog.stop()  # a user error (exit 2) is not a hang
+            raise
 
         # Only now, with every user error behind us, does anything reach the disk.
         self.log = RunLog(str(self.output_dir), console=console, enabled=self.process_index == 0 and write_files)
@@ -178,6 +164,30 @@ class Trainer:
         self._pending: _Pending | None = None
 
     # ------------------------------------------------------------------ building
+
+    def _restore_or_init(self, write_files: bool) -> None:
+        """(1) this run's own latest good checkpoint, (2) the parameters of checkpoint.init_from,
+        (3) fresh; straight into the layout's shardings. A mismatched checkpoint is a ConfigError
+        raised before anything is written."""
+        cfg = self.cfg
+        checkpoint_dir = join(self.output_dir, "checkpoints")
+        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
+        self.rollbacks = RollbackLog(checkpoint_dir, primary=self.process_index == 0) if write_files else None
+        for record in self.rollbacks.records if self.rollbacks is not None else []:
+            # A rollback that died before discarding what it superseded: finish it (idempotent).
+            self.checkpointer.discard_after(record["to_step"], committed_before=record["time"])
+        self.resumed_from: int | None = None
+        latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        if latest is not None:
+            self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
+            self.data.set_state(extra["data"])
+            self.resumed_from = latest
+        else:
+            self.state = self.layout.init()
+            if cfg.checkpoint.init_from:
+                params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
+                self.state = {**self.state, "params": params}
+                self._event("init_from", 0, path=cfg.checkpoint.init_from)
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
@@ -293,6 +303,12 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train until train.steps (or a preemption signal). Returns {"step", "exit_code"}."""
+        try:
+            return self._fit()
+        finally:
+            self.watchdog.beat(self._host_step, "idle")  # also after an exception: no deadline outside fit()
+
+    def _fit(self) -> dict:
         if not self._preflight():
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
         self.watchdog.beat(self._host_step, "startup")  # compile and first step: the start-up deadline
@@ -309,7 +325,6 @@ class Trainer:
                 with self.watchdog.phase("checkpoint"):
                     self.checkpointer.wait()  # the last checkpoint is committed before we report done
         jax.block_until_ready(self.state)
-        self.watchdog.beat(self._host_step, "idle")
         skipped = int(jax.device_get(self.state["stability"]["skipped_steps"]))
         if stop is not None:
             self.log.event(stop, self._host_step, exit_code=EXIT_RESTART, skipped_steps=skipped, **self._stop_details)
