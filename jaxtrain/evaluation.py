@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from jaxtrain import pipeline
 from jaxtrain.config import Config
 from jaxtrain.data import build_eval_data
 from jaxtrain.sharding import global_batch
@@ -27,7 +28,8 @@ class Evaluator:
         self.cfg, self.layout = cfg, layout
         self.process_index, self.process_count = process_index, process_count
         self.every = cfg.train.eval_every
-        self._step = jax.jit(make_eval_step(layout.graphdef, layout.mesh, layout.rules),
+        stages = pipeline.schedule_for(cfg, dict(layout.mesh.shape))  # None unless mesh.stage > 1
+        self._step = jax.jit(make_eval_step(layout.graphdef, layout.mesh, layout.rules, stages),
                              in_shardings=(layout.param_shardings, layout.batch_sharding),
                              out_shardings=(layout.replicated, layout.replicated))
 

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 import kernels
-from jaxtrain import __version__
+from jaxtrain import __version__, pipeline
 from jaxtrain.chaos import Chaos, restart_attempt
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
 from jaxtrain.config import Config, ConfigError
@@ -375,7 +375,8 @@ class Trainer:
     def _log_start(self) -> None:
         self._fit_start = self._host_step
         self.log.event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
-                       hosts=self.hosts, mesh=self.mesh_sizes, params=self.num_params, attention=self.attention,
+                       hosts=self.hosts, mesh=self.mesh_sizes, pipeline=pipeline.describe(self.cfg, self.mesh_sizes),
+                       params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
         self.throughput.restart(self._host_step)

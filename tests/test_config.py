@@ -21,11 +21,21 @@ FIXED_KEYS = {
     "model.head_dim", "model.mlp_dim", "model.attention",
     "data.source", "data.path", "data.tokenizer", "data.seq_len", "data.global_batch_size",
     "precision.policy", "checkpoint.every_steps",
-    "chaos.kill_at_step", "chaos.kill_process", "chaos.slow_process", "chaos.slow_seconds",
+    "pipeline.microbatches", "pipeline.repeats",
+    "precision.loss_scale_init", "precision.growth_interval", "precision.growth_factor",
+    "precision.backoff_factor", "precision.min_loss_scale",
+    "stability.max_spikes", "stability.window", "stability.spike_threshold", "stability.skip_spikes",
+    "stability.skip_batches", "stability.max_rollbacks", "stability.z_loss",
+    "fault.hang_timeout_s", "fault.straggler_factor", "fault.straggler_every", "fault.preflight",
+    "fault.preflight_factor", "fault.preflight_action", "train.profile_steps",
+    "chaos.nan_at_steps", "chaos.spike_at_steps", "chaos.spike_factor", "chaos.kill_at_step",
+    "chaos.kill_process", "chaos.hang_at_step", "chaos.hang_process", "chaos.slow_process",
+    "chaos.slow_seconds",
 }
 FIXED_METRICS = {"step", "loss", "grad_norm", "learning_rate", "loss_scale", "step_time_s", "tokens_per_sec",
                  "tflops_per_device", "mfu", "skipped"}
-FIXED_VERBS = {"train", "inspect", "prepare-data", "launch", "checkpoints"}
+FIXED_VERBS = {"train", "inspect", "prepare-data", "launch", "checkpoints", "goodput", "profile-summary", "preflight",
+               "import-hf", "export-hf"}
 
 
 def test_fixed_keys_exist():
