@@ -74,5 +74,5 @@ def test_inspect_reports_fsdp_all_gathers_and_parameter_specs():
     lines = {line.split()[0]: line for line in report.splitlines() if line.startswith("  ")}
     assert int(lines["all-gather"].split()[1]) > 0  # FSDP gathers weights...
     assert int(lines["all-reduce"].split()[1]) > 0  # ...and reduces gradients/loss
-    assert "P(None, 'fsdp', 'tensor')" in lines["['blocks']['mlp']['w_gate']"]
+    assert "P('stage', 'fsdp', 'tensor')" in lines["['blocks']['mlp']['w_gate']"]  # layers -> stage (size 1 here)
     assert "parameters: " in report and "memory per device" in report
