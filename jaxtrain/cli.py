@@ -87,6 +87,7 @@ COMMANDS = {
     "preflight": (_passthrough("jaxtrain.preflight"), "measure every process's devices and links; name the bad ones"),
     "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),
     "export-hf": (_passthrough("jaxtrain.hf.exporter"), "write a run's parameters as a Hugging Face Llama checkpoint"),
+    "goodput": (_passthrough("jaxtrain.goodput"), "where a run's wall time went: productive steps, start-up, restarts, ..."),
 }
 
 
