@@ -215,6 +215,23 @@ def test_retention_deletes_the_objects(servers, scheme):
     assert ck.latest_step() == 5
 
 
+def test_s3_chunks_split_within_shards_and_restore_across_them(servers, monkeypatch):
+    """Chunks larger than the cap are halved inside each shard (one writer per chunk still); a
+    restore onto another mesh reads across chunk boundaries."""
+    from jaxtrain.checkpoint import s3_arrays
+    assert s3_arrays._chunk_shape((16384, 8192), 4) == [8192, 8192]  # 512 MiB -> 2 chunks of 256 MiB
+    assert s3_arrays._chunk_shape((8192, 8192), 4) == [8192, 8192] and s3_arrays._chunk_shape((3, 5), 2**30) == [3, 5]
+    monkeypatch.setattr(s3_arrays, "_MAX_CHUNK_BYTES", 64)  # 16 float32 per chunk
+    url = f"s3://{BUCKET}/chunks/checkpoints"
+    ck = Checkpointer(url, cfg())
+    ck.save(1, to_device(host_state(seed=4), mesh_of(1, 2, 1)), {})
+    ck.wait()
+    embed = [o for o in objects(f"{url}/1/state/params.embed") if not o.endswith(".zarray")]
+    assert len(embed) == 16 * 8 * 4 // 64, embed  # (16, 8) float32 in 64-byte chunks
+    state, _ = ck.restore(1, abstract(host_state(0), mesh_of(2, 2, 2)))
+    assert matches(state, host_state(seed=4))
+
+
 def test_object_log_appends_across_writers(servers):
     """A resumed run appends to the object it finds; flush() uploads and waits; what a killed
     writer had not uploaded is lost (and only that)."""
