@@ -66,7 +66,7 @@ class RunLog:
         if not self.enabled:
             return
         record = {"time": time.time(), "step": int(step), "kind": kind, **details}
-        self._events.write(json.dumps(record, default=_jsonable) + "\n")
+        self._events.write(json.dumps(_finite_or_name(record), default=_jsonable) + "\n")
         self._flush(self._metrics, self._events)  # remote: the event and the metrics before it are stored
         if self.console is not None and kind not in ("checkpoint_saved",):
             self._print(f"[{kind}] step {step} " + " ".join(f"{k}={_short(v)}" for k, v in details.items()), keep=True)
@@ -74,7 +74,7 @@ class RunLog:
     def metrics(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._metrics.write(json.dumps(record, default=_jsonable) + "\n")
+        self._metrics.write(json.dumps(_finite_or_name(record), default=_jsonable) + "\n")
         if self._tb is not None:
             self._tb.scalars(record["step"], {
                 f"train/{k}": float(v) for k, v in record.items()
@@ -84,6 +84,8 @@ class RunLog:
                     f"tok/s {record['tokens_per_sec']:,.0f}  MFU {100 * record['mfu']:.1f}%")
             if "eval_loss" in record:
                 line += f"  eval {record['eval_loss']:.4f}"
+            if record.get("skipped_steps"):
+                line += f"  skipped {record['skipped_steps']}"
             self._print(line, keep=not self._tty)
 
     def _print(self, line: str, keep: bool) -> None:
@@ -125,6 +127,13 @@ class RunLog:
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _finite_or_name(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity": JSON has no literal for
+    them, and strict readers (jq, browsers) reject Python's bare NaN."""
+    return {k: (str(v).replace("nan", "NaN").replace("inf", "Infinity") if isinstance(v, float) and not math.isfinite(v)
+                else v) for k, v in record.items()}
 
 
 def _jsonable(x: Any) -> Any:

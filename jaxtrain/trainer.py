@@ -46,6 +46,7 @@ from jaxtrain.runlog import RunLog
 from jaxtrain.sharding import check_attention_layout, global_batch
 from jaxtrain.preflight import run_preflight
 from jaxtrain.stability import RollbackLog, RollbackRequest, SpikeGuard
+from jaxtrain.storage import check_access
 from jaxtrain.stragglers import Stragglers, job_hosts
 from jaxtrain.state import State, build_layout
 from jaxtrain.step import BATCH_KEYS
@@ -67,10 +68,15 @@ def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int]) ->
     return implementation
 
 
-def check_output_dir(output_dir: str) -> None:
-    """A run directory must be a directory (or not exist yet)."""
+def check_run_paths(cfg: Config) -> None:
+    """The run directory is a directory (or does not exist yet) on reachable storage; init_from too.
+    Object stores are checked here (credentials, bucket), before anything is written."""
+    output_dir = cfg.run.output_dir
+    check_access(output_dir, key="run.output_dir")
     if not is_remote(output_dir) and Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise ConfigError(f"run.output_dir='{output_dir}' is an existing file, not a directory")
+    if cfg.checkpoint.init_from:
+        check_access(cfg.checkpoint.init_from, key="checkpoint.init_from")
 
 
 # Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
@@ -110,7 +116,7 @@ class Trainer:
         self.mesh_sizes = validate_against_devices(cfg, len(devices), self.process_count)
         self.attention = resolve_attention(cfg, devices[0].platform, self.mesh_sizes)
         if write_files:
-            check_output_dir(cfg.run.output_dir)
+            check_run_paths(cfg)
         self.mesh = build_mesh(cfg.mesh, devices)
         self.layout = build_layout(cfg, self.mesh)
         self.rules, self.graphdef, self.logical = cfg.mesh.rules, self.layout.graphdef, self.layout.logical

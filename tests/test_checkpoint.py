@@ -283,9 +283,28 @@ def test_should_save_by_steps_time_and_end(tmp_path):
     assert by_steps.should_save(10, last=True)
     assert not Checkpointer(str(tmp_path), cfg(save_at_end=False)).should_save(10, last=True)
     by_time = Checkpointer(str(tmp_path), cfg(every_minutes=0.5 / 60))
-    assert not by_time.should_save(1)
+    assert not by_time.time_due() and not by_time.should_save(1, time_due=by_time.time_due())
     time.sleep(0.6)
-    assert by_time.should_save(2)
+    assert by_time.time_due() and by_time.should_save(2, time_due=True)
+    # The decision is the agreed one (the trainer's host sync), not this process's clock:
+    assert not by_time.should_save(3, time_due=False)
+
+
+def test_discard_after_deletes_newer_checkpoints_and_latest_before(tmp_path):
+    """A rollback's tools: the newest good checkpoint before a step, and deleting what came after."""
+    mesh = mesh_of(1, 4, 2)
+    with Checkpointer(str(tmp_path), cfg()) as ck:
+        for step in (10, 20, 30):
+            ck.save(step, to_device(host_state(seed=step), mesh), {})
+        ck.wait()
+        assert ck.latest_step(before=25) == 20 and ck.latest_step(before=10) is None
+        assert ck.discard_after(20) == [30]
+        assert ck.latest_step() == 20 and not (tmp_path / "30").exists()
+        # Re-applying an old rollback deletes only what was committed before it.
+        cutoff = time.time()
+        ck.save(25, to_device(host_state(seed=25), mesh), {})
+        ck.wait()
+        assert ck.discard_after(10, committed_before=cutoff) == [20] and ck.latest_step() == 25
 
 
 def test_paths_and_urls_pass_through():

@@ -329,9 +329,11 @@ class Checkpointer:
         self._barrier("wait")
         self._drain_events()
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self, before: Optional[int] = None) -> Optional[int]:
         """The newest good (committed, intact) checkpoint's step, or None.
 
+        Args:
+          before: only steps below this one (a rollback's target precedes the first spike).
         Damaged newer checkpoints are skipped and reported once each as `checkpoint_damaged`.
         """
         self._drain_events()
@@ -342,9 +344,44 @@ class Checkpointer:
                 self._emit("checkpoint_damaged", step, reason=reason, path=os.fspath(self.directory / str(step)))
 
         skip = self._inflight if self.busy else None  # its folder may exist before its marker
-        value = self._agree("latest", lambda: str(latest_good(self.directory, skip, report)))
+        value = self._agree(f"latest {before}", lambda: str(latest_good(self.directory, skip, report, before)))
         self._drain_events()
         return None if value == "None" else int(value)
+
+    def discard_after(self, step: int, committed_before: Optional[float] = None) -> list[int]:
+        """Delete the checkpoints newer than `step` (a rollback's target), so none wins a later restart.
+
+        Like retention, each loses its commit marker first: a crash halfway leaves it invisible,
+        never half-trusted. Waits for the save in flight first.
+
+        Args:
+          step: keep this step and older ones.
+          committed_before: delete only checkpoints committed before this Unix time (re-applying
+            an old rollback must not delete what was saved after it).
+        Returns:
+          The steps deleted (process 0's answer, the same on every process).
+        """
+        self._join()
+        self._drain_events()
+
+        def discard() -> str:
+            deleted = []
+            for s, folder, tmp in scan(self.directory):
+                if s <= step:
+                    continue
+                if committed_before is not None:
+                    meta = check_checkpoint(folder)[2] if not tmp else None
+                    if meta is None or meta.get("unix_time", 0) >= committed_before:
+                        continue
+                if (folder / MARKER).exists():
+                    (folder / MARKER).unlink()
+                folder.rmtree()
+                deleted.append(s)
+            return json.dumps(deleted)
+
+        deleted = json.loads(self._agree(f"discard_after {step}", discard))
+        self._barrier(f"discarded after {step}")  # nobody restores before process 0 has deleted
+        return deleted
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Load checkpoint `step` straight into the shardings of `abstract_state`.

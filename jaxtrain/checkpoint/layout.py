@@ -151,10 +151,11 @@ def check_checkpoint(folder: str | epath.Path) -> tuple[bool, Optional[str], Opt
 
 
 def latest_good(root: epath.Path, skip: Optional[int] = None,
-                report: Optional[Callable[[int, str], None]] = None) -> Optional[int]:
-    """Newest step whose checkpoint verifies; damaged newer ones go to `report(step, reason)`."""
+                report: Optional[Callable[[int, str], None]] = None, before: Optional[int] = None) -> Optional[int]:
+    """Newest step (below `before`, if given) whose checkpoint verifies; damaged newer ones go to
+    `report(step, reason)`."""
     for step, folder, tmp in reversed(scan(root)):
-        if tmp or step == skip:
+        if tmp or step == skip or (before is not None and step >= before):
             continue
         good, reason, _ = check_checkpoint(folder)
         if good:
