@@ -92,7 +92,7 @@ class Attention(nnx.Module):
         o_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
         return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
 
-
+    @jax.named_scope("attention")  # `jaxtrain profile-summary` counts the ops under this scope as attention
     def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
         implementation = kernels.resolve_implementation(self.implementation)  # 'auto' -> this platform's best
         attend = lambda q, k, v, seg: flash_attention(q, k, v, causal=True, segment_ids=seg,
@@ -165,6 +165,21 @@ class Transformer(nnx.Module):
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
 
     def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+        head_DV = self.head_weight().astype(self.dtype)
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV, preferred_element_type=jnp.float32)
+        return constrain(logits_BLV, ("batch", "length", "vocab"))
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [D, V] in fp32: the head, or the transposed embedding when tied."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+
+    def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        """The final hidden states [B, L, D] (after the last norm), in the compute dtype.
+
+        `__call__` projects them to logits; the training loss (`jaxtrain.loss.fused_loss`) takes
+        them with `head_weight()` instead, so the full logits are never materialised.
+        """
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
@@ -196,10 +211,7 @@ class Transformer(nnx.Module):
             x_BLD = pipeline.run(stack, nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
                                  segment_ids_BL, schedule)
 
-        x_BLD = self.final_norm(x_BLD)
-        head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "length", "vocab"))
+        return self.final_norm(x_BLD)
 
 
 def logical_axes(params_state: nnx.State) -> dict:

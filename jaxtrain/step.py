@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from jaxtrain import pipeline
 from jaxtrain.config import Config
+from jaxtrain.loss import fused_loss
 from jaxtrain.precision import update_loss_scale
 from jaxtrain.sharding import Rules, constrain, use_rules
 from jaxtrain.stability import spike_check, update_statistics
@@ -56,7 +57,11 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token cross-entropy and log-partition (logsumexp of the logits), both in fp32."""
+    """Per-token cross-entropy and log-partition (logsumexp of the logits), both in fp32.
+
+    The plain loss on materialised logits: the reference that `jaxtrain.loss.fused_loss` (what the
+    step uses) is tested against.
+    """
     logits_BLV = logits_BLV.astype(jnp.float32)
     lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
     target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
@@ -69,13 +74,14 @@ def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch,
 
     The objective is the cross-entropy plus `z_loss` x logsumexp(logits)**2 (PaLM's z-loss, which
     keeps the log-partition near 0 and the softmax well conditioned), summed over counted tokens.
+    The head and the loss run fused and chunked (`jaxtrain.loss.fused_loss`): the full [B, L, V]
+    logits and their gradient are never materialised.
     """
     model = nnx.merge(graphdef, params)
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
     mask = batch["loss_mask"].astype(jnp.float32)
-    ce_BL, lse_BL = token_losses(logits, batch["targets"])
-    ce, z = jnp.sum(ce_BL * mask), jnp.sum(lse_BL * lse_BL * mask)
-    return ce + z_loss * z, (ce, z, jnp.sum(mask))
+    objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss)
+    return objective, (ce, z, jnp.sum(mask))
 
 
 def split_microbatches(batch: Batch, n: int) -> Batch:
