@@ -1,8 +1,19 @@
-"""A real SLURM job step: `srun -n2 jaxtrain train` forms one 2-process JAX job by itself.
+"""SLURM for real: `tpu_gpu_setup/gpu/slurm/train.sbatch` on a one-node cluster, 2 tasks on CPUs.
 
-jaxtrain.distributed sees SLURM_NTASKS=2 and calls a bare `jax.distributed.initialize()`, which reads
-the coordinator, process count and id from SLURM's environment. Needs a running cluster: on a
-Debian/Ubuntu machine, `tpu_gpu_setup/slurm_local/start_local_slurm.sh` (as root) starts a one-node one.
+- uninterrupted: the sbatch script forms one 2-process, 4-device JAX job (jaxtrain.distributed sees
+  SLURM_NTASKS=2 and calls a bare `jax.distributed.initialize()`, which reads SLURM's environment);
+- a task killed mid-run (chaos.kill_at_step on task 1): the script restarts the step inside the
+  allocation, which resumes from its checkpoint and ends bitwise equal to the uninterrupted run;
+- the same with in-allocation restarts off (STEP_RESTARTS=0): the script requeues the job, whose
+  second run resumes and ends bitwise equal too. SLURM holds a requeued job back for its credential
+  lifetime (`Reason=BeginTime`, about 2-3 minutes with the default `AuthInfo` cred_expire); the test
+  releases it with `scontrol update StartTime=now` instead of waiting.
+
+Leaving a failed node out (ISOLATE_AFTER: `srun --exclude` of the node, with the overrides of
+`jaxtrain launch --print-shrink`) needs two nodes: the script's logic for it runs here against
+stand-in `srun`/`squeue`/`scontrol` commands that play a 2-node allocation (no cluster needed); a
+real multi-node exclusion was not run. The drills need a running cluster: on a Debian/Ubuntu
+machine, `tpu_gpu_setup/slurm_local/start_local_slurm.sh` (as root) starts a one-node one.
 """
 
 from __future__ import annotations
@@ -12,34 +23,196 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from trees import assert_trees_equal
+
+from jaxtrain.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs/tiny.yaml"
+SBATCH = REPO / "tpu_gpu_setup/gpu/slurm/train.sbatch"
+# Saves are synchronous so that "step 2 is committed before the kill after step 3" is certain.
+DRILL = ["train.steps=6", "train.log_every=1", "data.global_batch_size=8", "checkpoint.every_steps=2",
+         "checkpoint.async_save=false"]
+KILL = ["chaos.kill_at_step=3", "chaos.kill_process=1"]
 
 # Where CI could install SLURM (.ci/run sets JAXTRAIN_REQUIRE_SLURM=1 after starting it), a missing
 # cluster is a failure; elsewhere (a laptop, a machine without root) the test says what is missing.
 REQUIRED = os.environ.get("JAXTRAIN_REQUIRE_SLURM") == "1"
-pytestmark = pytest.mark.skipif(
-    shutil.which("srun") is None and not REQUIRED,
+needs_slurm = pytest.mark.skipif(
+    shutil.which("sbatch") is None and not REQUIRED,
     reason="no SLURM cluster on this machine (start one: sudo tpu_gpu_setup/slurm_local/start_local_slurm.sh)")
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory) -> dict[str, str]:
+    """SLURM must be the source of the job's coordinates: no JAXTRAIN_* from outside. Devices come
+    from --cpu-devices, not conftest's 8; `jaxtrain` is found next to this Python; a shared XLA cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRAIN_")}
+    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+                "PYTHONPATH": os.pathsep.join(sys.path),
+                "PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+                "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla_cache"))})
+    return env
+
+
+def sbatch(env: dict[str, str], cwd: Path, name: str, *overrides: str, **script_env: str) -> subprocess.Popen:
+    """Submit the drill (2 tasks x 2 CPU devices on one node) and wait for it in the background."""
+    out = cwd / "run"
+    cmd = ["sbatch", "--wait", f"--job-name={name}", "--gpus-per-node=0", "-N1", "--ntasks-per-node=2",
+           "--time=20", f"--output={cwd}/slurm-%j.out", str(SBATCH), str(TINY), f"run.output_dir={out}", *DRILL,
+           f"checkpoint.compilation_cache_dir={env['JAX_COMPILATION_CACHE_DIR']}", *overrides, "--cpu-devices", "2"]
+    return subprocess.Popen(cmd, cwd=cwd, env={**env, **script_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(job: subprocess.Popen, cwd: Path, timeout: float = 480) -> str:
+    """Wait for the job; returns the job's output file(s)."""
+    try:
+        out, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
+    log = "".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
+    assert job.returncode == 0, (out + log)[-4000:]
+    return log
+
+
+def final_params(run_dir: Path) -> dict:
+    """The parameters of a run directory's latest checkpoint, on one device (layout-free)."""
+    import jax
+    from flax import nnx
+
+    from jaxtrain.checkpoint import restore_params_only
+    from jaxtrain.model import Transformer
+
+    cfg = load_config(run_dir / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
+    abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
+    return jax.device_get(restore_params_only(str(run_dir), abstract))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm_env) -> Path:
+    """The drill without a fault: the run directory."""
+    cwd = tmp_path_factory.mktemp("slurm_reference")
+    log = finish(sbatch(slurm_env, cwd, "jaxtrain-reference"), cwd)
+    assert "jaxtrain: done" in log and "restarting" not in log
+    return cwd / "run"
+
+
+def assert_same_run(out: Path, reference: Path) -> list[dict]:
+    """`out` resumed from step 2 and ends as `reference` did: the same losses, bitwise the same parameters."""
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["restored_step"] for e in events if e["kind"] == "resume"] == [2]
+    assert [e["processes"] for e in events if e["kind"] == "start"] == [2, 2]
+    assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
+    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl")}
+    got = read_jsonl(out / "metrics.jsonl")
+    assert sorted({m["step"] for m in got}) == [1, 2, 3, 4, 5, 6]
+    for m in got:
+        assert (m["loss"], m["grad_norm"]) == (want[m["step"]]["loss"], want[m["step"]]["grad_norm"]), m["step"]
+    assert_trees_equal(final_params(out), final_params(reference), "final parameter ")
+    return events
+
+
+@needs_slurm
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_srun_two_tasks_form_one_job(tmp_path):
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRAIN_")}  # SLURM must be the source
-    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",  # devices come from --cpu-devices, not conftest's 8
-                "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
-    cmd = ["srun", "-n2", "--kill-on-bad-exit=1", "--immediate=120",  # fail instead of queueing for ever
-           sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), f"run.output_dir={out}",
-           "train.steps=3", "train.log_every=1", "data.global_batch_size=8",
-           f"checkpoint.compilation_cache_dir={tmp_path / 'xla_cache'}", "--cpu-devices", "2"]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    assert events[0]["kind"] == "start" and events[0]["processes"] == 2 and events[0]["devices"] == 4
-    assert events[-1]["kind"] == "done" and events[-1]["step"] == 3
+def test_sbatch_forms_one_two_process_job(reference):
+    events = read_jsonl(reference / "events.jsonl")
+    start = next(e for e in events if e["kind"] == "start")
+    assert start["processes"] == 2 and start["devices"] == 4
+    assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
+
+
+@needs_slurm
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_killed_task_restarts_the_step_inside_the_allocation(tmp_path, slurm_env, reference):
+    log = finish(sbatch(slurm_env, tmp_path, "jaxtrain-step-restart", *KILL), tmp_path)
+    assert "first failure: task 1 on node" in log and "(exit 137;" in log  # SIGKILLed by the drill
+    assert "restarting the step inside the allocation (step restart 1 of 2)" in log
+    assert "requeueing" not in log and "jaxtrain: done" in log
+    # The exits file of attempt 0 names the task that died first (the wrapper's record).
+    (state,) = (tmp_path / ".jaxtrain-slurm").iterdir()
+    first = sorted((state / "exits.0").read_text().split("\n")[:-1])[0].split()
+    assert first[1:] == ["1", first[2], "137"]
+    assert_same_run(tmp_path / "run", reference)
+
+
+@needs_slurm
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_killed_task_requeues_the_job(tmp_path, slurm_env, reference):
+    name = f"jaxtrain-requeue-{os.getpid()}"
+    job = sbatch(slurm_env, tmp_path, name, *KILL, STEP_RESTARTS="0", MAX_REQUEUES="1")
+    released, deadline = False, time.time() + 480
+    while job.poll() is None and time.time() < deadline:
+        state = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i %T %r"], capture_output=True, text=True).stdout.split()
+        if not released and len(state) == 3 and state[1] == "PENDING" and state[2] == "BeginTime":
+            # The requeued job waits for its old credential to expire; let it start now.
+            subprocess.run(["scontrol", "update", f"JobId={state[0]}", "StartTime=now"], check=True)
+            released = True
+        time.sleep(0.5)
+    log = finish(job, tmp_path)
+    assert released, log[-3000:]
+    assert "requeueing (requeue 1 of 1)" in log and "restarting the step" not in log
+    assert "attempt 1 (requeue 1, step restart 0)" in log and "jaxtrain: done" in log
+    assert_same_run(tmp_path / "run", reference)
+
+
+# ----------------------------------------------------------------------------- the script's logic alone
+
+FAKE_SRUN = r"""#!/bin/bash
+# Plays a 2-node step: node-b's task crashes first until node-b is excluded; then the step succeeds.
+{ printf 'ARGS'; printf ' %q' "$@"; echo; echo "ENV JAX_LOCAL_DEVICE_IDS=${JAX_LOCAL_DEVICE_IDS:-} XLA_FLAGS=${XLA_FLAGS:-}"; } >> "$FAKE_LOG"
+if [[ "$*" == *--exclude=node-b* ]]; then
+  echo "$(date +%s.%N) 0 node-a 0" >> "$JAXTRAIN_EXITS"; exit 0
+fi
+echo "$(date +%s.%N) 1 node-b 1" >> "$JAXTRAIN_EXITS"
+echo "$(date +%s.%N) 0 node-a 137" >> "$JAXTRAIN_EXITS"
+exit 137
+"""
+
+
+@pytest.mark.parametrize("platform, devices, plan", [
+    ("cpu", ["--cpu-devices", "2"], "mesh.data=-1 train.grad_accum=2"),  # 2 x 2 devices -> 1 x 2, batch 8
+    ("gpu", [], "mesh.data=-1 train.grad_accum=2"),  # 2 nodes x 8 GPUs -> 1 x 8, batch 16 (configs/tiny.yaml)
+])
+def test_a_node_failing_first_twice_is_left_out_of_the_allocation(tmp_path, platform, devices, plan):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"srun": FAKE_SRUN, "squeue": "#!/bin/bash\necho 10:00:00\n",
+                       "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$FAKE_LOG"\n'}.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTRAIN_", "SLURM_", "JAX_", "XLA_"))}
+    env.update({"PATH": f"{bin_dir}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}",
+                "PYTHONPATH": os.pathsep.join(sys.path), "FAKE_LOG": str(tmp_path / "log"),
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2",
+                "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_SUBMIT_DIR": str(tmp_path), "ISOLATE_AFTER": "2"})
+    env.update({"JAX_PLATFORMS": "cpu"} if platform == "cpu" else {"SLURM_GPUS_ON_NODE": "8"})
+    overrides = ["data.global_batch_size=8"] if platform == "cpu" else []
+    r = subprocess.run(["bash", str(SBATCH), str(TINY), *overrides, *devices], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "first failure: task 1 on node node-b (exit 1; 2 attempt(s) in a row)" in r.stdout
+    assert f"isolating node node-b: continuing on 1 node(s) with {plan}" in r.stdout
+    calls = [line[5:] for line in (tmp_path / "log").read_text().splitlines() if line.startswith("ARGS ")]
+    assert len(calls) == 3 and "--exclude" not in calls[0] + calls[1]
+    assert calls[2].startswith("--kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=node-b bash -c ")
+    assert calls[2].endswith(" ".join([*overrides, *devices, plan]))  # the shrink overrides come last and win
+    env_lines = [line for line in (tmp_path / "log").read_text().splitlines() if line.startswith("ENV ")]
+    if platform == "gpu":  # what the script does for GPU clusters is still done
+        assert all("JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7" in e and "latency_hiding" in e for e in env_lines)
+    else:
+        assert all("JAX_LOCAL_DEVICE_IDS= " in e and "xla_gpu" not in e for e in env_lines)
