@@ -146,12 +146,17 @@ class StepEntry:
 def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[StepEntry], dict[int, float]]:
     """Expand metrics lines into one entry per computed step, each attributed to an attempt.
 
+    A line covers the steps since the line before it in the same attempt, or since the attempt's
+    restore point (its `start` step, or a rollback's target). Lines with a `time` field are placed in
+    the attempt running at that time. Lines without one are placed by step order: a line whose step
+    is not above the previous line's begins the next restore point in event order (exact when every
+    attempt logs a step it re-does, as with train.log_every=1; otherwise an estimate).
+
     Returns:
       (entries in file order, evaluation seconds per attempt).
     """
     # Restore points in event order: each attempt that ran steps starts from its `start` step, and
-    # a rollback from its target step. A metrics line whose step is not above the previous line's
-    # begins the next of these; lines with a `time` field are placed by time instead.
+    # a rollback from its target step.
     points: list[tuple[int, int]] = []
     for i, a in enumerate(attempts):
         for e in a.events:
@@ -171,18 +176,18 @@ def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[Ste
             step, step_time = int(line["step"]), float(line["step_time_s"])
         except (KeyError, TypeError, ValueError):
             continue
-        restored = step <= previous
-        if restored:
+        timed = isinstance(line.get("time"), (int, float))
+        placed = max(0, bisect.bisect_right(begins, float(line["time"])) - 1) if timed else attempt
+        if placed != attempt or step <= previous:
+            # A restore: the next restore point below this step (of the attempt the time names).
             pointer += 1
-            while pointer < len(points) and points[pointer][0] >= step:
-                pointer += 1  # an attempt that logged nothing (or whose restore point is past this line)
-            if pointer < len(points):
+            while pointer < len(points) and (points[pointer][0] >= step or (timed and points[pointer][1] < placed)):
+                pointer += 1  # an attempt that logged nothing, or a restore point past this line
+            if pointer < len(points) and (not timed or points[pointer][1] == placed):
                 previous, attempt = points[pointer]
             else:
-                previous = step - 1  # unexplained: count the line's own step only
+                previous, attempt, pointer = step - 1, placed, pointer - 1  # unexplained: the line's own step only
             last_skipped = None
-        if isinstance(line.get("time"), (int, float)) and begins:
-            attempt = max(0, bisect.bisect_right(begins, float(line["time"])) - 1)
         n = step - previous
         total = line.get("skipped_steps")
         if isinstance(total, (int, float)) and last_skipped is not None:
@@ -190,7 +195,12 @@ def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[Ste
         else:
             skipped = 1.0 / n if line.get("skipped") else 0.0
         last_skipped = float(total) if isinstance(total, (int, float)) else None
-        wait = float(line.get("data_wait_s") or 0.0)
+        # data_wait_s is the logged step's own wait: each step of the interval is taken to wait as
+        # long, unless the line carries the interval's sum.
+        if isinstance(line.get("data_wait_interval_s"), (int, float)):
+            wait = float(line["data_wait_interval_s"]) / n
+        else:
+            wait = float(line.get("data_wait_s") or 0.0)
         entries += [StepEntry(s, attempt, step_time, min(wait, step_time), skipped) for s in range(previous + 1, step + 1)]
         if isinstance(line.get("eval_s"), (int, float)):
             eval_s[attempt] += float(line["eval_s"])

@@ -68,8 +68,12 @@ WANT = {"startup_s": 10 + 4, "checkpoint_s": 0.5 + 0.2, "hang_s": 10.0, "restart
         "productive_s": 0.9 * 0.875 + 4 * 0.9 * 0.95, "eval_s": 0.3, "other_s": 0.2}
 
 
-def test_parts_of_a_run_with_a_hang_and_a_restart(tmp_path):
-    report = goodput(write_run(tmp_path / "run", EVENTS, METRICS))
+@pytest.mark.parametrize("timed", [False, True])
+def test_parts_of_a_run_with_a_hang_and_a_restart(tmp_path, timed):
+    # With `time` on the lines (the trainer writes it) they are placed by time; without, by step order.
+    times = [111, 112, 113, 114, 131, 132, 133, 134]
+    metrics = [{**m, "time": float(t)} for m, t in zip(METRICS, times)] if timed else METRICS
+    report = goodput(write_run(tmp_path / "run", EVENTS, metrics))
     assert report["wall_s"] == pytest.approx(34.5)
     assert set(report["parts"]) == set(PARTS)
     for key, want in WANT.items():
@@ -121,6 +125,34 @@ def test_a_log_interval_covers_several_steps(tmp_path):
     assert parts["startup_s"] == pytest.approx(1.0) and parts["restart_downtime_s"] == pytest.approx(0.0)
     assert parts["productive_s"] == pytest.approx(4.5) and parts["data_wait_s"] == pytest.approx(0.5)
     assert sum(parts.values()) == pytest.approx(report["wall_s"]) == 9.0
+
+
+def test_lines_with_time_are_placed_in_their_attempt_when_step_order_cannot_tell(tmp_path):
+    """log_every=2, a checkpoint at step 5, a crash after it: the new attempt's first line (step 6)
+    is above the old attempt's last (4), so step order alone would take it for attempt 0 covering
+    steps 5-6. Its time puts it in attempt 1, covering step 6 only (restored from 5)."""
+    events = [{"time": 0.0, "step": 0, "kind": "start", "compile_s": 0.0},
+              {"time": 10.0, "step": 4, "kind": "restart", "attempt": 1},
+              {"time": 11.0, "step": 5, "kind": "start", "compile_s": 0.0},
+              {"time": 12.0, "step": 5, "kind": "resume", "restored_step": 5, "restart_to_first_step_s": 2.0},
+              {"time": 13.0, "step": 6, "kind": "done"}]
+    metrics = [line(2, time=2.0), line(4, time=4.0), line(6, time=12.5)]
+    report = goodput(write_run(tmp_path / "run", events, metrics))
+    parts = report["parts"]
+    # attempt 0 (0..10): steps 1-4, 4 s, then 6 s down; attempt 1 (10..13): start-up 1, step 6, tail 1
+    assert report["steps"]["computed"] == 5 and parts["restart_downtime_s"] == pytest.approx(6.0)
+    assert parts["startup_s"] == pytest.approx(1.0) and parts["other_s"] == pytest.approx(1.0)
+    assert parts["productive_s"] == pytest.approx(4.5) and parts["data_wait_s"] == pytest.approx(0.5)
+    untimed = goodput(write_run(tmp_path / "untimed", events, [line(2), line(4), line(6)]))
+    assert untimed["steps"]["computed"] == 6  # the guess: steps 5-6 in attempt 0
+
+
+def test_data_wait_summed_over_the_interval_when_the_line_has_it(tmp_path):
+    events = [{"time": 0.0, "step": 0, "kind": "start", "compile_s": 0.0}, {"time": 2.0, "step": 2, "kind": "done"}]
+    plain = goodput(write_run(tmp_path / "a", events, [line(2)]))["parts"]
+    summed = goodput(write_run(tmp_path / "b", events, [line(2, data_wait_interval_s=0.5)]))["parts"]
+    assert plain["data_wait_s"] == pytest.approx(0.2)  # the logged step's 0.1 s, taken for both steps
+    assert summed["data_wait_s"] == pytest.approx(0.5) and summed["productive_s"] == pytest.approx(1.5)
 
 
 def test_cli_text_and_json(tmp_path, capsys):
