@@ -213,6 +213,20 @@ def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[Ste
     return entries, eval_s
 
 
+def _straggler_ratio(event: dict) -> float:
+    """How many times slower than the median a `straggler` event says the process was (0: unknown).
+
+    The detector writes `factor` (its busy time over the median's); step times or busy times are
+    divided when only they are given.
+    """
+    if isinstance(event.get("factor"), (int, float)):
+        return float(event["factor"])
+    for mine, median in (("step_time_s", "median_step_time_s"), ("busy_s", "median_busy_s")):
+        if isinstance(event.get(mine), (int, float)) and event.get(median):
+            return float(event[mine]) / float(event[median])
+    return 0.0
+
+
 def goodput(run_dir: str | Path) -> dict[str, Any]:
     """The goodput report of a run directory (the JSON that `jaxtrain goodput --json` prints).
 
@@ -282,8 +296,7 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
                                                          "first_step": e.get("step"), "last_step": e.get("step")})
         s["reports"] += 1
         s["last_step"] = e.get("step")
-        if e.get("step_time_s") and e.get("median_step_time_s"):
-            s["max_ratio"] = max(s["max_ratio"], float(e["step_time_s"]) / float(e["median_step_time_s"]))
+        s["max_ratio"] = max(s["max_ratio"], _straggler_ratio(e))
     hangs = [{k: e.get(k) for k in ("time", "step", "process", "host", "phase", "stalled_s")}
              for e in events if e.get("kind") == "hang"]
     isolations = [{k: e.get(k) for k in ("time", "step", "slot", "host", "processes", "overrides")}
@@ -323,7 +336,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"isolated: slot {iso['slot']} on {iso['host']} at step {iso['step']}; continued on "
                      f"{iso['processes']} process(es) with {' '.join(iso['overrides'] or [])}")
     for process, s in sorted(report["stragglers"].items(), key=lambda kv: -kv[1]["reports"]):
-        ratio = f", step time up to {s['max_ratio']:.2f}x the median" if s["max_ratio"] else ""
+        ratio = f", up to {s['max_ratio']:.2f}x the median" if s["max_ratio"] else ""
         lines.append(f"straggler: process {process} ({s['host']}): {s['reports']} report(s), steps "
                      f"{s['first_step']}-{s['last_step']}{ratio}")
     for h in report["hangs"]:

@@ -3,13 +3,15 @@
 The run below has two attempts: attempt 0 trains steps 1-4 (step 2 skipped, a checkpoint at step 2),
 hangs after step 4 until the watchdog fires, and is restarted by the launcher; attempt 1 restores
 step 2, re-does steps 3-4, trains to step 6 (an evaluation at step 6) and finishes. Every number is
-chosen so that each part can be computed by hand (the comments give the arithmetic). A real run
-with a restart is checked end to end in tests/test_launch.py (the killed-process test).
+chosen so that each part can be computed by hand (the comments give the arithmetic). Real runs:
+one with a hang (the watchdog) and a restart, here; one with a killed process and a restart in
+tests/test_launch.py (the killed-process test).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,8 @@ import pytest
 
 from jaxtrain.config import ConfigError
 from jaxtrain.goodput import PARTS, goodput, main
+
+TINY = Path(__file__).resolve().parents[1] / "configs/tiny.yaml"
 
 
 def write_run(run: Path, events: list[dict], metrics: list[dict]) -> Path:
@@ -41,8 +45,8 @@ EVENTS = [
      "median_step_time_s": 1.0},
     {"time": 113.6, "step": 3, "kind": "straggler", "process": 1, "host": "b", "step_time_s": 3.0,
      "median_step_time_s": 1.0},
-    {"time": 113.7, "step": 3, "kind": "straggler", "process": 0, "host": "a", "step_time_s": 1.6,
-     "median_step_time_s": 1.0},
+    {"time": 113.7, "step": 3, "kind": "straggler", "process": 0, "host": "a", "busy_s": 1.6, "median_busy_s": 1.0,
+     "data_wait_s": 0.0, "steps": 1, "factor": 1.6, "reports": 1},  # the shape jaxtrain/stragglers.py writes
     # steps end at 114; stood still 10 s; the watchdog's hang event at 124, the restart at 126
     {"time": 124.0, "step": 4, "kind": "hang", "process": 1, "host": "b", "phase": "step", "stalled_s": 10.0},
     {"time": 124.1, "step": 4, "kind": "hang", "process": 0, "host": "a", "phase": "step", "stalled_s": 9.5},
@@ -160,7 +164,7 @@ def test_cli_text_and_json(tmp_path, capsys):
     assert main([str(run)]) == 0
     text = capsys.readouterr().out
     assert "wall time" in text and "restart downtime" in text and "goodput" in text
-    assert "straggler: process 1 (b): 2 report(s), steps 2-3, step time up to 3.00x the median" in text
+    assert "straggler: process 1 (b): 2 report(s), steps 2-3, up to 3.00x the median" in text
     assert "hang: process 1 (b) stood still 10.0 s in phase step after step 4" in text
     r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "goodput", str(run), "--json"],
                        capture_output=True, text=True, timeout=60)
@@ -175,3 +179,28 @@ def test_not_a_run_directory_is_a_user_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "goodput", str(tmp_path / "missing")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no events.jsonl" in r.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_real_run_with_a_hang_and_a_restart(tmp_path):
+    """2 processes: process 1 hangs after step 4 (chaos.hang_at_step), the watchdogs fire after 3 s,
+    the launcher restarts the job, which resumes from the step-3 checkpoint and finishes. The hang
+    shows as hang_s (at least the timeout), the restart as one restart; the parts add up."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+                        "--max-restarts", "1", "--grace-period-s", "2", "--", "train", "--config", str(TINY),
+                        "train.steps=8", "train.log_every=1", "data.global_batch_size=8", "checkpoint.every_steps=3",
+                        "checkpoint.async_save=false", "fault.hang_timeout_s=3", "chaos.hang_at_step=4",
+                        "chaos.hang_process=1", f"run.output_dir={out}",
+                        f"checkpoint.compilation_cache_dir={tmp_path / 'xla_cache'}"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = goodput(out)
+    parts = report["parts"]
+    assert report["restarts"] == 1 and report["hangs"] and report["steps"]["final"] == 8
+    assert 3.0 <= parts["hang_s"] <= max(h["stalled_s"] for h in report["hangs"])
+    assert sum(parts.values()) == pytest.approx(report["wall_s"], abs=1e-6)
+    assert parts["productive_s"] > 0 and parts["startup_s"] > 0 and parts["other_s"] < 0.2 * report["wall_s"]
