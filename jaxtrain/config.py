@@ -39,6 +39,9 @@ class TrainConfig:
     eval_every: int = 0  # evaluate on data.eval every N steps (0 = never)
     eval_batches: int = 4  # batches per evaluation
     host_sync_every: int = 5  # steps between cross-process decisions (preemption stop, time-based saves)
+    # [first, last]: trace these steps with the JAX profiler into <output_dir>/profile/, read with
+    # `jaxtrain profile-summary RUN_DIR` (docs/profiling.md); empty = no trace.
+    profile_steps: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +204,11 @@ class ChaosConfig:
     spike_factor: float = 100.0
     hang_at_step: int = -1  # hang_process stops making progress right after this step (first attempt only)
     hang_process: int = 0
+    # A bad node: unlike the drills above, this one fires on EVERY attempt, so only isolating the slot
+    # (`jaxtrain launch --isolate-after K`) lets the run finish. The slot is JAXTRAIN_SLOT under
+    # `jaxtrain launch` (kept when other slots are isolated), else the process index.
+    crash_process: int = -1  # the slot that crashes (exit 1) on every attempt (-1 = none)
+    crash_at_step: int = 0  # 0: at start-up, before the first step; N: right after the first step >= N an attempt runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,9 +507,15 @@ def validate(cfg: Config) -> None:
     ch = cfg.chaos
     for key, value in {"chaos.slow_seconds": ch.slow_seconds, "chaos.start_delay_s": ch.start_delay_s,
                        "chaos.kill_process": ch.kill_process, "chaos.slow_process": ch.slow_process,
-                       "train.eval_every": t.eval_every}.items():
+                       "chaos.crash_at_step": ch.crash_at_step, "train.eval_every": t.eval_every}.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    if ch.crash_process < -1:
+        raise ConfigError(f"config key 'chaos.crash_process' must be a slot number >= 0 or -1 (none), got {ch.crash_process}")
+    ps = t.profile_steps
+    if ps and not (len(ps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ps) and 1 <= ps[0] <= ps[1]):
+        raise ConfigError(f"config key 'train.profile_steps' must be [first, last] with 1 <= first <= last "
+                          f"(e.g. [10, 12]), or [] for no trace; got {ps!r}")
     c = cfg.checkpoint
     for key, value in {"every_steps": c.every_steps, "every_minutes": c.every_minutes, "keep_last": c.keep_last,
                        "keep_every": c.keep_every}.items():
