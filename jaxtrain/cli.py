@@ -85,6 +85,7 @@ COMMANDS = {
     "prepare-data": (_passthrough("jaxtrain.data.prepare"), "tokenize text/jsonl files into token files"),
     "checkpoints": (_passthrough("jaxtrain.checkpoint"), "list the checkpoints of a run directory"),
     "preflight": (_passthrough("jaxtrain.preflight"), "measure every process's devices and links; name the bad ones"),
+    "profile-summary": (_passthrough("jaxtrain.profiling"), "split a run's profiled steps into compute, collectives and waits"),
     "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),
     "export-hf": (_passthrough("jaxtrain.hf.exporter"), "write a run's parameters as a Hugging Face Llama checkpoint"),
     "goodput": (_passthrough("jaxtrain.goodput"), "where a run's wall time went: productive steps, start-up, restarts, ..."),

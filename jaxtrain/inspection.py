@@ -17,25 +17,33 @@ from collections import defaultdict
 import jax
 
 from jaxtrain.config import Config
+from jaxtrain.profiling import COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size, shape_bytes, wire_bytes
 from jaxtrain.sharding import logical_to_spec
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 
 
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
+def collective_bytes(hlo_text: str, num_devices: int | None = None,
+                     sliced_as_reduce_scatter: bool = False) -> dict[str, dict[str, float]]:
+    """{kind: {"count", "bytes", "result_bytes"}} per step per device, from an optimized HLO module.
 
+    `count`: ops executed per step. `bytes`: wire bytes one device sends, with each op's replica
+    group size n: all-gather result x (n-1)/n, reduce-scatter input x (n-1)/n, all-reduce
+    2 x size x (n-1)/n (a ring's reduce-scatter + all-gather), all-to-all size x (n-1)/n,
+    collective-permute its buffer. `result_bytes`: the ops' result sizes, summed. Ops inside
+    loops (the layer scan, gradient accumulation) count once per trip when XLA records the trip
+    count (`known_trip_count`). An async pair (`-start`/`-done`) counts once.
 
-def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
-    """{kind: {"count": ops executed per step, "bytes": result bytes per step per device}}."""
+    The XLA CPU backend has no reduce-scatter of its own: SPMD partitioning's reduce-scatter (FSDP's
+    gradient reduction) stays an all-reduce whose result each device only slices its part of
+    (GPU and TPU backends turn that pattern into a reduce-scatter). With `sliced_as_reduce_scatter`,
+    such an all-reduce (each tuple element of a combined one whose every use is a dynamic slice of
+    1/n of it) is counted as the reduce-scatter it implements: input x (n-1)/n, half of what the
+    all-reduce moves. Without it (the default), everything counts as the program runs it.
+    """
+    if num_devices is None:
+        m = re.search(r"num_partitions=(\d+)", hlo_text)
+        num_devices = int(m.group(1)) if m else 1
     ops_by_comp: dict[str, list[str]] = defaultdict(list)
     current, entry = None, None
     for line in hlo_text.splitlines():
@@ -48,8 +56,14 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
         if current is not None and " = " in line:
             ops_by_comp[current].append(line)
 
-    totals: dict[str, dict[str, float]] = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+    totals: dict[str, dict[str, float]] = {k: {"count": 0, "bytes": 0, "result_bytes": 0} for k in COLLECTIVES}
     seen: set[tuple[str, int]] = set()
+    finder = _SliceFinder(ops_by_comp)
+
+    def add(kind: str, times: int, result: int, wire: float) -> None:
+        totals[kind]["count"] += times
+        totals[kind]["result_bytes"] += times * result
+        totals[kind]["bytes"] += times * wire
 
     def visit(comp: str, times: int, depth: int = 0) -> None:
         if depth > 50 or (comp, times) in seen:
@@ -57,11 +71,25 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
         seen.add((comp, times))
         for op in ops_by_comp.get(comp, []):
             lhs, rhs = op.split(" = ", 1)
-            kind = next((k for k in COLLECTIVES if re.search(rf"\b{k}(-start)?\(", rhs)), None)
-            if kind is not None:
-                result_type = rhs.split(f" {kind}")[0]
-                totals[kind]["count"] += times
-                totals[kind]["bytes"] += times * _shape_bytes(result_type)
+            m = re.search(r" ([a-z\-]+)\(", rhs)
+            kind = collective_kind(m.group(1)) if m else None
+            if kind is not None and not m.group(1).endswith("-done"):
+                result_type = rhs[:m.start()]
+                operands = re.match(r"\(([^)]*)\)", rhs[m.end() - 1:])
+                operand_bytes = shape_bytes(operands.group(1)) if operands else 0
+                result = shape_bytes(result_type)
+                if m.group(1).endswith("-start"):  # (operands, results): the result is what is left
+                    result = max(result - operand_bytes, 0) or operand_bytes
+                group = replica_group_size(rhs, num_devices)
+                if kind == "all-reduce" and sliced_as_reduce_scatter and group > 1:
+                    scattered = finder.sliced_elements(comp, lhs.split()[-1].lstrip("%"), result_type, group)
+                    if scattered:
+                        add("reduce-scatter", times, sum(scattered) // group,
+                            wire_bytes("reduce-scatter", sum(scattered) // group, group, sum(scattered)))
+                        result -= sum(scattered)
+                        if result <= 0:
+                            continue
+                add(kind, times, result, wire_bytes(kind, result, group, operand_bytes or None))
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs)
             for callee in re.findall(r"(?:body|calls|to_apply|condition|branch_computations)=\{?%?([\w.\-]+)", rhs):
                 visit(callee, times * (int(trips.group(1)) if trips and "body=" in rhs else 1), depth + 1)
@@ -71,12 +99,82 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
     return totals
 
 
+def _users(ops: list[str]) -> dict[str, list[tuple[str, str, list[str]]]]:
+    """Instruction name -> [(user name, user's right-hand side, user's operand names)] in one computation."""
+    out: dict[str, list[tuple[str, str, list[str]]]] = defaultdict(list)
+    for op in ops:
+        lhs, rhs = op.split(" = ", 1)
+        name = lhs.split()[-1].lstrip("%")
+        m = re.search(r" [a-z\-]+\(([^)]*)\)", rhs)
+        operands = re.findall(r"%([\w.\-]+)", m.group(1) if m else "")
+        for operand in set(operands):
+            out[operand].append((name, rhs, operands))
+    return out
+
+
+class _SliceFinder:
+    """Whether a value is only ever dynamically sliced down to 1/n of it (through bitcasts, copies
+    and into fusions): the signature of a reduce-scatter that the CPU backend left an all-reduce."""
+
+    def __init__(self, ops_by_comp: dict[str, list[str]]):
+        self.ops_by_comp = ops_by_comp
+        self.users = {comp: _users(ops) for comp, ops in ops_by_comp.items()}
+        self.params = {comp: {int(m.group(2)): m.group(1) for op in ops
+                              if (m := re.search(r"%?([\w.\-]+) = [^=]* parameter\((\d+)\)", op))}
+                       for comp, ops in ops_by_comp.items()}
+
+    def only_sliced(self, comp: str, value: str, nbytes: int, group: int, depth: int = 0) -> bool:
+        consumers = self.users.get(comp, {}).get(value, [])
+        if not consumers or depth > 8:
+            return False
+        for user, rhs, operands in consumers:
+            opcode = re.search(r" ([a-z\-]+)\(", rhs)
+            opcode = opcode.group(1) if opcode else ""
+            if opcode == "dynamic-slice" and operands and operands[0] == value:
+                if shape_bytes(rhs.split(" ")[0]) * group != nbytes:
+                    return False
+            elif opcode in ("bitcast", "copy", "reshape"):
+                if not self.only_sliced(comp, user, nbytes, group, depth + 1):
+                    return False
+            elif opcode == "fusion":
+                callee = re.search(r"calls=%?([\w.\-]+)", rhs)
+                inner = self.params.get(callee.group(1), {}) if callee else {}
+                positions = [i for i, o in enumerate(operands) if o == value]
+                if not positions or not all(i in inner and self.only_sliced(callee.group(1), inner[i], nbytes, group,
+                                                                            depth + 1) for i in positions):
+                    return False
+            else:
+                return False
+        return True
+
+    def sliced_elements(self, comp: str, name: str, result_type: str, group: int) -> list[int]:
+        """Bytes of the elements of all-reduce `name` (a tuple when XLA combined several) that are only sliced."""
+        from jaxtrain.profiling import _split_tuple
+        if not result_type.strip().startswith("("):
+            nbytes = shape_bytes(result_type)
+            return [nbytes] if self.only_sliced(comp, name, nbytes, group) else []
+        elements = _split_tuple(result_type)
+        out = []
+        for user, rhs, _ in self.users.get(comp, {}).get(name, []):  # get-tuple-element(%name), index=i
+            index = re.search(r"get-tuple-element\(.*index=(\d+)", rhs)
+            if index:
+                nbytes = shape_bytes(elements[int(index.group(1))])
+                if self.only_sliced(comp, user, nbytes, group):
+                    out.append(nbytes)
+        return out
+
+
 def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict:
     """Compile the train step from shapes alone (no data read, no parameter allocated) and report.
 
     Returns a JSON-able dict: `params`, `flops_per_step`, `xla_flops_per_device`, `mesh`,
-    `peak_memory_bytes_per_device` and its parts, `collectives` (kind -> {count, bytes} per step
-    per device), `compile_s` and `parameters` (name -> shape, logical axes, spec, bytes per device).
+    `peak_memory_bytes_per_device` and its parts, `collectives` (kind -> wire bytes per step per
+    device, as `collective_bytes` counts them: a CPU all-reduce that implements a reduce-scatter
+    counts as that reduce-scatter), `collective_ops` (kind -> ops per step),
+    `collectives_as_compiled` (the same, every op counted as the program runs it),
+    `collective_bytes_total`, `collective_bytes_theory` (what the layout needs for parameters and
+    gradients, `collective_theory`) and `collective_bytes_ratio` (total / theory), `compile_s`
+    and `parameters` (name -> shape, logical axes, spec, bytes per device).
     Raises:
       ConfigError: the same phase-2 errors as `jaxtrain train` (mesh, divisibility, attention).
     """
@@ -105,7 +203,11 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
             "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes}
         report["peak_memory_bytes_per_device"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                                                   + mem.output_size_in_bytes - mem.alias_size_in_bytes)
-    report["collectives"] = collective_bytes(compiled.as_text())
+    hlo = compiled.as_text()
+    traffic = collective_bytes(hlo, len(devices), sliced_as_reduce_scatter=True)
+    report["collectives"] = {kind: v["bytes"] for kind, v in traffic.items()}
+    report["collective_ops"] = {kind: v["count"] for kind, v in traffic.items()}
+    report["collectives_as_compiled"] = {kind: v["bytes"] for kind, v in collective_bytes(hlo, len(devices)).items()}
     abstract_params = layout.abstract_state()["params"]
     params = {}
     for path, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
@@ -115,7 +217,40 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
             "shape": list(x.shape), "logical": list(names), "spec": str(logical_to_spec(names, layout.rules)),
             "bytes_per_device": math.prod(shard) * x.dtype.itemsize}
     report["parameters"] = params
+    total = sum(report["collectives"].values())
+    theory = collective_theory(params, sizes, layout.rules)
+    report["collective_bytes_total"] = total
+    report["collective_bytes_theory"] = theory
+    report["collective_bytes_ratio"] = total / theory if theory else None
     return report
+
+
+def collective_theory(parameters: dict, mesh_sizes: dict[str, int], rules: dict) -> float:
+    """Wire bytes per device per step that the layout needs for parameters and gradients.
+
+    Per parameter (bytes per device b, sharded f ways over fsdp, its gradient summed over the
+    d batch-axis devices that do not shard it):
+      fsdp (f > 1): all-gather for the forward and again for the backward, reduce-scatter of the
+        gradient: 3 x (b f) x (f-1)/f, the usual FSDP/ZeRO-3 count;
+      data (d > 1): all-reduce of the (fsdp-sharded) gradient, 2 x b x (d-1)/d.
+    So pure FSDP over n devices ~ 3 x parameter bytes x (n-1)/n and pure data parallelism
+    2 x parameter bytes x (n-1)/n. Not counted: activation traffic of tensor and pipeline
+    parallelism, and the loss and metric scalars.
+    """
+    batch = logical_to_spec(("batch",), rules)[0]
+    batch_axes = set(batch if isinstance(batch, tuple) else (batch,) if batch else ())
+    total = 0.0
+    for p in parameters.values():
+        spec = p["spec"]
+        used = {a for a in mesh_sizes if re.search(rf"'{a}'", spec)}
+        f = mesh_sizes.get("fsdp", 1) if "fsdp" in used else 1
+        d = math.prod(mesh_sizes[a] for a in batch_axes - used)
+        b = p["bytes_per_device"]
+        if f > 1:
+            total += 3 * b * f * (f - 1) / f
+        if d > 1:
+            total += 2 * b * (d - 1) / d
+    return total
 
 
 def format_report(report: dict, per_parameter: bool = False) -> str:
@@ -132,9 +267,13 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
         lines.append(f"memory per device: arguments {mem['arguments'] * gib:.3f} GiB, temporaries "
                      f"{mem['temporaries'] * gib:.3f} GiB, outputs {mem['outputs'] * gib:.3f} GiB (aliased "
                      f"{mem['aliased'] * gib:.3f} GiB); peak ~ {report['peak_memory_bytes_per_device'] * gib:.3f} GiB")
-    lines.append("collectives per step (per device):")
-    for kind, v in report["collectives"].items():
-        lines.append(f"  {kind:<20} {int(v['count']):>6} ops  {v['bytes'] / 2**20:>10.2f} MiB")
+    lines.append("collectives per step (wire bytes per device):")
+    for kind, nbytes in report["collectives"].items():
+        lines.append(f"  {kind:<20} {int(report['collective_ops'][kind]):>6} ops  {nbytes / 2**20:>10.2f} MiB")
+    ratio = report.get("collective_bytes_ratio")
+    lines.append(f"  {'total':<20} {'':>6}      {report['collective_bytes_total'] / 2**20:>10.2f} MiB   theory for the "
+                 f"layout (parameters + gradients) {report['collective_bytes_theory'] / 2**20:.2f} MiB"
+                 + (f", ratio {ratio:.2f}" if ratio is not None else ""))
     if per_parameter:
         lines.append("parameters (logical axes -> PartitionSpec, bytes per device):")
         for name, p in report["parameters"].items():

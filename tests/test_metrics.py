@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from jaxtrain.config import load_config
@@ -46,24 +47,94 @@ def test_flops_per_step_matches_hand_count():
 
 HLO = """
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %ag = f32[16,4]{1,0} all-gather(f32[2,4]{1,0} %x), dimensions={0}
-  %ar = (f32[8]{0}, bf16[4]{0}) all-reduce(f32[8]{0} %a, bf16[4]{0} %b), to_apply=%add
+  %ag = f32[16,4]{1,0} all-gather(f32[2,4]{1,0} %x), replica_groups=[1,8]<=[8], dimensions={0}
+  %ar = (f32[8]{0}, bf16[4]{0}) all-reduce(f32[8]{0} %a, bf16[4]{0} %b), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
 }
 %cond (p: (s32[], f32[8])) -> pred[] {
   %c = pred[] constant(true)
 }
 ENTRY %main (a: f32[8], /*index=1*/b: f32[8]) -> f32[8] {
   %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-  %rs = f32[2]{0} reduce-scatter(f32[16]{0} %y), dimensions={0}
+  %rs = f32[2]{0} reduce-scatter(f32[16]{0} %y), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, dimensions={0}
+  %cp = f32[4]{0} collective-permute(f32[4]{0} %z), source_target_pairs={{0,1},{1,0}}
+  %ar1 = f32[6]{0} all-reduce(f32[6]{0} %q), replica_groups={{0}}, to_apply=%add
 }
 """
 
 
-def test_collectives_inside_loops_count_per_trip():
-    got = collective_bytes(HLO)
-    assert got["all-gather"] == {"count": 3, "bytes": 3 * 16 * 4 * 4}
-    assert got["all-reduce"] == {"count": 3, "bytes": 3 * (8 * 4 + 4 * 2)}
-    assert got["reduce-scatter"] == {"count": 1, "bytes": 2 * 4}
+def test_collectives_inside_loops_count_per_trip_with_wire_bytes_per_group():
+    got = collective_bytes(HLO, num_devices=8)
+    # all-gather over 8: result x 7/8; all-reduce over pairs: 2 x size x 1/2; reduce-scatter over
+    # 2 x 4 devices: input x 7/8; collective-permute: its buffer; a group of one moves nothing.
+    assert got["all-gather"] == {"count": 3, "bytes": 3 * 16 * 4 * 4 * 7 / 8, "result_bytes": 3 * 16 * 4 * 4}
+    assert got["all-reduce"] == {"count": 4, "bytes": 3 * 2 * (8 * 4 + 4 * 2) / 2, "result_bytes": 3 * 40 + 24}
+    assert got["reduce-scatter"] == {"count": 1, "bytes": 16 * 4 * 7 / 8, "result_bytes": 2 * 4}
+    assert got["collective-permute"] == {"count": 1, "bytes": 4 * 4, "result_bytes": 4 * 4}
+    assert got["all-to-all"]["count"] == 0
+
+
+def test_replica_group_sizes_in_every_spelling():
+    from jaxtrain.profiling import replica_group_size
+    assert replica_group_size("replica_groups={{0,1,2},{3,4,5}}, to_apply=%add", 8) == 3
+    assert replica_group_size("replica_groups=[4,2]<=[4,2]T(1,0), dimensions={0}", 8) == 2
+    assert replica_group_size("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_3'=2] {'axis_3'}, x", 8) == 2
+    assert replica_group_size("replica_groups={}, to_apply=%add", 8) == 8
+
+
+# d_model 1024, 4 layers, short sequences: parameters dominate memory and traffic.
+INSPECT_MODEL = ["model.d_model=1024", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8",
+                 "model.head_dim=128", "model.mlp_dim=2048", "model.vocab_size=1024", "model.attention=xla",
+                 "data.seq_len=32", "data.global_batch_size=8", "checkpoint.compilation_cache_dir=null"]
+
+
+@pytest.fixture(scope="module")
+def inspect_json():
+    """`jaxtrain inspect --json` on the 8 simulated devices, for fsdp=8 and data=8."""
+    import io
+    import json
+    from contextlib import redirect_stdout
+    from jaxtrain import cli
+    reports = {}
+    for name, mesh in {"fsdp": ["mesh.data=1", "mesh.fsdp=8"], "data": ["mesh.data=8"]}.items():
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert cli.main(["inspect", "--config", "configs/tiny.yaml", "--json", *INSPECT_MODEL, *mesh]) == 0
+        reports[name] = json.loads(out.getvalue())
+    return reports
+
+
+def test_inspect_json_keys(inspect_json):
+    r = inspect_json["fsdp"]
+    for key in ("params", "flops_per_step", "peak_memory_bytes_per_device", "collectives", "collective_ops",
+                "collective_bytes_theory", "collective_bytes_ratio"):
+        assert key in r, key
+    assert set(r["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+    assert all(isinstance(v, (int, float)) for v in r["collectives"].values())  # kind -> bytes per step
+    params = 4 * (4 * 1024 * 1024 + 3 * 1024 * 2048 + 2 * 1024) + 2 * 1024 * 1024 + 1024
+    assert r["params"] == params
+
+
+def test_fsdp_memory_is_a_fraction_of_data_parallel(inspect_json):
+    fsdp, data = inspect_json["fsdp"], inspect_json["data"]
+    assert fsdp["peak_memory_bytes_per_device"] <= 0.3 * data["peak_memory_bytes_per_device"], (
+        fsdp["memory_bytes_per_device"], data["memory_bytes_per_device"])
+
+
+def test_fsdp_collective_bytes_match_theory(inspect_json):
+    r = inspect_json["fsdp"]
+    param_bytes = 4 * r["params"]
+    # The layout's theory is ~3 x parameter bytes x 7/8 (norm scales are not sharded: their gradients are
+    # only all-reduced, 2 x instead of 3 x).
+    assert 0.99 * 3 * param_bytes * 7 / 8 <= r["collective_bytes_theory"] <= 3 * param_bytes * 7 / 8
+    assert 1 / 1.2 <= r["collective_bytes_ratio"] <= 1.2, r["collectives"]
+    assert r["collectives"]["all-gather"] >= param_bytes * 7 / 8  # every weight gathered at least once
+
+
+def test_data_parallel_gathers_no_parameters(inspect_json):
+    r = inspect_json["data"]
+    assert r["collectives"]["all-gather"] == 0 and r["collective_ops"]["all-gather"] == 0
+    # Gradients are all-reduced once: 2 x parameter bytes x 7/8 (plus the loss scalars).
+    assert 1 / 1.2 <= r["collective_bytes_ratio"] <= 1.2, r["collectives"]
 
 
 def test_inspect_reports_fsdp_all_gathers_and_parameter_specs():
@@ -74,5 +145,17 @@ def test_inspect_reports_fsdp_all_gathers_and_parameter_specs():
     lines = {line.split()[0]: line for line in report.splitlines() if line.startswith("  ")}
     assert int(lines["all-gather"].split()[1]) > 0  # FSDP gathers weights...
     assert int(lines["all-reduce"].split()[1]) > 0  # ...and reduces gradients/loss
+    assert "theory for the layout" in lines["total"]
     assert "P('stage', 'fsdp', 'tensor')" in lines["['blocks']['mlp']['w_gate']"]  # layers -> stage (size 1 here)
     assert "parameters: " in report and "memory per device" in report
+
+
+def test_mfu_is_a_fraction_on_the_cpu():
+    """Model FLOP/s over the measured matmul peak: above 0, at most 1 (the peak is a real upper bound)."""
+    from jaxtrain.trainer import Trainer
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=1", "checkpoint.compilation_cache_dir=null", "train.steps=3"])
+    trainer = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
+    trainer.step()  # compiles
+    record = trainer.step()
+    assert 0.0 < record["mfu"] <= 1.0, record
+    assert record["tflops_per_device"] * 1e12 == pytest.approx(flops_per_step(cfg) / record["step_time_s"])
