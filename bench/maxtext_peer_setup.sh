@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Separate Python 3.12 venv with MaxText 0.2.5 from PyPI, for bench/bench_maxtext_peer.py (DESIGN §6).
+# Separate Python 3.12 venv with MaxText 0.2.5 from PyPI, for bench/vs_maxtext.py (DESIGN §6).
 # No MaxText source lives in this repository. ~5.5 min and ~2.8 GB on the 2-core bench machine.
 #   bash bench/maxtext_peer_setup.sh [VENV=/work/maxtext-venv] [PYTHON=/root/.pyenv/versions/3.12.1/bin/python]
 set -euo pipefail
