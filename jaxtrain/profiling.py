@@ -336,8 +336,13 @@ def find_trace(run_or_profile_dir: str | Path) -> Path:
 
 
 def read_events(trace_path: Path) -> list[_Event]:
-    """Op events from an xplane file: CPU thunk events (stats hlo_op, device_ordinal, run_id) and
-    accelerator "XLA Ops" lines (plane /device:GPU:n or /device:TPU:n)."""
+    """Op events from an xplane file, as `jax.profiler` wrote it.
+
+    CPU: the host plane's thunk events carry the stats hlo_op, hlo_module, device_ordinal and
+    run_id. GPU/TPU: a plane per device (/device:GPU:n); its "XLA Ops" line when present
+    (executions from its "XLA Modules" line), else the kernels on its stream lines that carry an
+    hlo_op stat (executions from a run_id stat, or found later from the gaps between steps).
+    """
     import jax
     data = jax.profiler.ProfileData.from_file(str(trace_path))
     events: list[_Event] = []
@@ -345,20 +350,22 @@ def read_events(trace_path: Path) -> list[_Event]:
         device_plane = re.match(r"/device:[A-Z]+:(\d+)", plane.name)
         if device_plane:
             device = int(device_plane.group(1))
-            modules = []  # (start, end, module name) of the "XLA Modules" line: executions
-            for line in plane.lines:
-                if line.name == "XLA Modules":
-                    for e in line.events:
-                        modules.append((e.start_ns, e.end_ns, re.sub(r"\(\d+\)$", "", e.name)))
-            modules.sort()
+            lines = {line.name: line for line in plane.lines}
+            modules = sorted((e.start_ns, e.end_ns, re.sub(r"\(\d+\)$", "", e.name))
+                             for e in (lines["XLA Modules"].events if "XLA Modules" in lines else []))
             starts = [m[0] for m in modules]
-            for line in plane.lines:
-                if line.name != "XLA Ops":
-                    continue
+            for line in ([lines["XLA Ops"]] if "XLA Ops" in lines else plane.lines):
                 for e in line.events:
+                    stats = dict(e.stats)
+                    if line.name != "XLA Ops" and "hlo_op" not in stats:
+                        continue  # not an XLA kernel (memcpy, another program's work)
                     i = bisect.bisect_right(starts, e.start_ns) - 1
-                    module, run = (modules[i][2], i) if i >= 0 and e.start_ns <= modules[i][1] else ("?", -1)
-                    events.append(_Event(e.start_ns, e.end_ns, e.name, module, run, device, (plane.name, line.name)))
+                    if i >= 0 and e.start_ns <= modules[i][1]:
+                        module, run = modules[i][2], i
+                    else:
+                        module, run = str(stats.get("hlo_module", "?")), stats.get("run_id", -1)
+                    events.append(_Event(e.start_ns, e.end_ns, str(stats.get("hlo_op", e.name)), module, run, device,
+                                         (plane.name, line.name)))
         elif plane.name.startswith("/host:"):
             for line in plane.lines:
                 for e in line.events:
@@ -369,6 +376,22 @@ def read_events(trace_path: Path) -> list[_Event]:
                                          stats.get("run_id", -1), int(stats["device_ordinal"]),
                                          (plane.name, line.name)))
     return events
+
+
+def _runs_from_gaps(events: list[_Event], steps: int) -> None:
+    """Number executions by the `steps - 1` largest gaps between ops (for traces without run ids)."""
+    ordered = sorted(events, key=lambda e: e.start)
+    gaps, end = [], ordered[0].end
+    for i, e in enumerate(ordered[1:], 1):
+        if e.start > end:
+            gaps.append((e.start - end, i))
+        end = max(end, e.end)
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:max(steps - 1, 0)])
+    run = 0
+    for i, e in enumerate(ordered):
+        while run < len(cuts) and i >= cuts[run]:
+            run += 1
+        e.run = run
 
 
 def _exclusive_segments(events: list[_Event]) -> list[tuple[float, float, str]]:
@@ -422,6 +445,8 @@ def summarize(run_dir: str | Path, top: int = 15) -> dict:
         module_time[e.module] += e.end - e.start
     module = max(module_time, key=module_time.get)
     events = [e for e in events if e.module == module]
+    if len({e.run for e in events}) == 1 and meta.get("steps"):
+        _runs_from_gaps(events, meta["steps"][1] - meta["steps"][0] + 1)
     # An execution cut by the trace's start or end (the loop runs one step ahead, so the step
     # before the first profiled one may still be finishing) has fewer ops than the others: drop it.
     ops_per_run: dict[Any, int] = defaultdict(int)

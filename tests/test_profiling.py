@@ -115,3 +115,37 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
     assert ops["exp.3"].category == "elementwise" and ops["cc"].category == "attention"
     assert ops["all-gather-start"].category == "all-gather" and ops["all-gather-start"].wire_bytes == 64 * 3 / 4
     assert ops["all-gather-done"].wire_bytes == 0  # an async pair is counted once
+
+
+def test_runs_without_ids_are_split_at_the_largest_gaps():
+    from jaxtrain.profiling import _runs_from_gaps
+    ev = lambda s, e: _Event(s, e, "op", "m", -1, 0, "t")
+    events = [ev(0, 10), ev(11, 20), ev(100, 110), ev(112, 118), ev(300, 310)]
+    _runs_from_gaps(events, 3)
+    assert [e.run for e in events] == [0, 0, 1, 1, 2]
+
+
+def test_gpu_1b_script_runs_its_python_part_on_the_cpu(tmp_path):
+    """tpu_gpu_setup/gpu/bench_gpu_1b.py: the plan of the real run, and the same code on a shrunken
+    model with XLA attention on the CPU (one device), writing its JSON and markdown."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "tpu_gpu_setup" / "gpu" / "bench_gpu_1b.py"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    plan = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    rows = [json.loads(line) for line in plan.stdout.splitlines()]
+    assert [r["implementation"] for r in rows] == ["cudnn", "triton", "xla"]
+    assert all(r["d_model"] == 2048 and r["seq_len"] == 4096 and r["policy"] == "bf16" for r in rows)
+    run = subprocess.run([sys.executable, str(script), "--cpu", "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (result,) = json.loads((tmp_path / "gpu_1b.json").read_text())["results"]
+    assert result["status"] == "ok" and result["tokens_per_sec"] > 0 and 0 < result["mfu"] <= 1
+    parts = result["profile"]["parts_s"]
+    assert abs(sum(parts.values()) - result["profile"]["step_time_s"]) <= 0.05 * result["profile"]["step_time_s"]
+    assert parts["attention"] > 0 and parts["matmul"] > 0
+    assert "| xla | ok |" in (tmp_path / "gpu_1b.md").read_text()
