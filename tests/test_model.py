@@ -13,7 +13,10 @@ from flax import nnx
 from jaxtrain.config import load_config
 from jaxtrain.data import build_train_data
 from jaxtrain.model import Transformer
+from jaxtrain.precision import init_loss_scale
+from jaxtrain.stability import init_statistics
 from jaxtrain.step import loss_sum, make_optimizer, make_train_step
+from trees import assert_trees_close
 
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64", "model.attention=xla",
@@ -56,13 +59,15 @@ def test_grad_accumulation_equals_one_big_batch():
         c = cfg.with_overrides(f"train.grad_accum={accum}")
         opt = make_optimizer(c)
         state = {"step": jnp.int32(0), "params": params, "opt_state": opt.init(params),
-                 "rng": jax.random.key_data(jax.random.key(0))}
-        new_state, metrics = jax.jit(make_train_step(c, graphdef, opt))(state, batch)
-        results.append((metrics, new_state["params"]))
-    (m1, p1), (m4, p4) = results
+                 "rng": jax.random.key_data(jax.random.key(0)), "loss_scale": init_loss_scale(c),
+                 "stability": init_statistics()}
+        new_state, metrics, grads = jax.jit(make_train_step(c, graphdef, opt, return_grads=True))(state, batch)
+        results.append((metrics, grads, new_state["params"]))
+    (m1, g1, p1), (m4, g4, p4) = results
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-6)
     np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-5)
     assert float(m1["tokens"]) == 8 * 16 - 11 - 14
+    assert_trees_close(g4, g1, 1e-5, "gradient ")
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p4, p1)
     assert not np.allclose(p1["embed"], params["embed"])  # the step did update something
 

@@ -147,7 +147,7 @@ def test_fresh_start_with_a_late_process_takes_the_same_collective_path(tmp_path
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     kinds = [json.loads(line)["kind"] for line in (out / "events.jsonl").read_text().splitlines()]
-    assert kinds[0] == "start" and kinds[-1] == "done" and "restart" not in kinds
+    assert kinds[:2] == ["preflight", "start"] and kinds[-1] == "done" and "restart" not in kinds
 
 
 if __name__ == "__main__":
