@@ -41,8 +41,9 @@ import jax.numpy as jnp
 from jaxtrain.sharding import active_rules, constrain, logical_to_spec
 
 # Bytes of fp32 logits per device that one chunk may hold. On the CPU a chunk should stay near the
-# last-level cache (32 MiB on the bench machine: 16 MiB chunks measured fastest of 4/16/32/64/262
-# MiB, docs/bench_cpu_tiny.md); accelerators want big matmuls and have the memory for them.
+# last-level cache (32 MiB on the bench machine; on cpu-tiny 8 MiB chunks were slower, 16/32/64 MiB
+# alike and the whole 262 MB slowest, docs/bench_cpu_tiny.md); accelerators want big matmuls and
+# have the memory for them (1 GiB: 2k rows of a 128k vocabulary).
 CHUNK_BYTES = {"cpu": 16 * 2**20}
 DEFAULT_CHUNK_BYTES = 1 * 2**30
 
