@@ -38,8 +38,10 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
     gradient reduction) stays an all-reduce whose result each device only slices its part of
     (GPU and TPU backends turn that pattern into a reduce-scatter). With `sliced_as_reduce_scatter`,
     such an all-reduce (each tuple element of a combined one whose every use is a dynamic slice of
-    1/n of it) is counted as the reduce-scatter it implements: input x (n-1)/n, half of what the
-    all-reduce moves. Without it (the default), everything counts as the program runs it.
+    1/k of it) is counted as what it implements: a reduce-scatter over k devices (input x (k-1)/k,
+    half of what an all-reduce moves), and when the group n is larger (data x fsdp: reduced over
+    all, sliced over fsdp) an all-reduce of the 1/k shard over the other n/k devices. Without it
+    (the default), everything counts as the program runs it.
     """
     if num_devices is None:
         m = re.search(r"num_partitions=(\d+)", hlo_text)
@@ -82,13 +84,17 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
                     result = max(result - operand_bytes, 0) or operand_bytes
                 group = replica_group_size(rhs, num_devices)
                 if kind == "all-reduce" and sliced_as_reduce_scatter and group > 1:
-                    scattered = finder.sliced_elements(comp, lhs.split()[-1].lstrip("%"), result_type, group)
-                    if scattered:
-                        add("reduce-scatter", times, sum(scattered) // group,
-                            wire_bytes("reduce-scatter", sum(scattered) // group, group, sum(scattered)))
-                        result -= sum(scattered)
-                        if result <= 0:
+                    # An element each device slices to 1/k: a reduce-scatter over k devices, then (when
+                    # the group is larger, e.g. data x fsdp) an all-reduce of the shard over group/k.
+                    for nbytes, k in finder.sliced_elements(comp, lhs.split()[-1].lstrip("%"), result_type):
+                        if group % k:
                             continue
+                        add("reduce-scatter", times, nbytes // k, wire_bytes("reduce-scatter", nbytes // k, k, nbytes))
+                        if group > k:
+                            add("all-reduce", times, nbytes // k, wire_bytes("all-reduce", nbytes // k, group // k))
+                        result -= nbytes
+                    if result <= 0:
+                        continue
                 add(kind, times, result, wire_bytes(kind, result, group, operand_bytes or None))
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs)
             for callee in re.findall(r"(?:body|calls|to_apply|condition|branch_computations)=\{?%?([\w.\-]+)", rhs):
@@ -113,54 +119,56 @@ def _users(ops: list[str]) -> dict[str, list[tuple[str, str, list[str]]]]:
 
 
 class _SliceFinder:
-    """Whether a value is only ever dynamically sliced down to 1/n of it (through bitcasts, copies
+    """Whether a value is only ever dynamically sliced down to 1/k of it (through bitcasts, copies
     and into fusions): the signature of a reduce-scatter that the CPU backend left an all-reduce."""
 
     def __init__(self, ops_by_comp: dict[str, list[str]]):
-        self.ops_by_comp = ops_by_comp
         self.users = {comp: _users(ops) for comp, ops in ops_by_comp.items()}
         self.params = {comp: {int(m.group(2)): m.group(1) for op in ops
                               if (m := re.search(r"%?([\w.\-]+) = [^=]* parameter\((\d+)\)", op))}
                        for comp, ops in ops_by_comp.items()}
 
-    def only_sliced(self, comp: str, value: str, nbytes: int, group: int, depth: int = 0) -> bool:
+    def slice_factor(self, comp: str, value: str, nbytes: int, depth: int = 0) -> int:
+        """k when every use of `value` (nbytes) is a dynamic slice of nbytes / k (k > 1), else 0."""
         consumers = self.users.get(comp, {}).get(value, [])
         if not consumers or depth > 8:
-            return False
+            return 0
+        factors = set()
         for user, rhs, operands in consumers:
             opcode = re.search(r" ([a-z\-]+)\(", rhs)
             opcode = opcode.group(1) if opcode else ""
             if opcode == "dynamic-slice" and operands and operands[0] == value:
-                if shape_bytes(rhs.split(" ")[0]) * group != nbytes:
-                    return False
+                part = shape_bytes(rhs.split(" ")[0])
+                factors.add(nbytes // part if part and nbytes % part == 0 else 0)
             elif opcode in ("bitcast", "copy", "reshape"):
-                if not self.only_sliced(comp, user, nbytes, group, depth + 1):
-                    return False
+                factors.add(self.slice_factor(comp, user, nbytes, depth + 1))
             elif opcode == "fusion":
                 callee = re.search(r"calls=%?([\w.\-]+)", rhs)
                 inner = self.params.get(callee.group(1), {}) if callee else {}
                 positions = [i for i, o in enumerate(operands) if o == value]
-                if not positions or not all(i in inner and self.only_sliced(callee.group(1), inner[i], nbytes, group,
-                                                                            depth + 1) for i in positions):
-                    return False
+                factors.update(self.slice_factor(callee.group(1), inner[i], nbytes, depth + 1) if i in inner else 0
+                               for i in positions or [-1])
             else:
-                return False
-        return True
+                return 0
+        return factors.pop() if len(factors) == 1 and min(factors) > 1 else 0
 
-    def sliced_elements(self, comp: str, name: str, result_type: str, group: int) -> list[int]:
-        """Bytes of the elements of all-reduce `name` (a tuple when XLA combined several) that are only sliced."""
+    def sliced_elements(self, comp: str, name: str, result_type: str) -> list[tuple[int, int]]:
+        """(bytes, k) of the elements of all-reduce `name` (a tuple when XLA combined several) that
+        are only sliced to 1/k."""
         from jaxtrain.profiling import _split_tuple
         if not result_type.strip().startswith("("):
             nbytes = shape_bytes(result_type)
-            return [nbytes] if self.only_sliced(comp, name, nbytes, group) else []
+            k = self.slice_factor(comp, name, nbytes)
+            return [(nbytes, k)] if k else []
         elements = _split_tuple(result_type)
         out = []
         for user, rhs, _ in self.users.get(comp, {}).get(name, []):  # get-tuple-element(%name), index=i
             index = re.search(r"get-tuple-element\(.*index=(\d+)", rhs)
             if index:
                 nbytes = shape_bytes(elements[int(index.group(1))])
-                if self.only_sliced(comp, user, nbytes, group):
-                    out.append(nbytes)
+                k = self.slice_factor(comp, user, nbytes)
+                if k:
+                    out.append((nbytes, k))
         return out
 
 

@@ -159,3 +159,35 @@ def test_mfu_is_a_fraction_on_the_cpu():
     record = trainer.step()
     assert 0.0 < record["mfu"] <= 1.0, record
     assert record["tflops_per_device"] * 1e12 == pytest.approx(flops_per_step(cfg) / record["step_time_s"])
+
+
+SLICED_HLO = """HloModule m, num_partitions=8
+%fused_slice (p0: f32[64,256], p1: u32[]) -> f32[16,256] {
+  %p0 = f32[64,256]{1,0} parameter(0)
+  %p1 = u32[] parameter(1)
+  %c = u32[] constant(0)
+  ROOT %ds = f32[16,256]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={16,256}
+}
+ENTRY %main (a: f32[64,256], b: f32[64]) -> f32[16,256] {
+  %a = f32[64,256]{1,0} parameter(0)
+  %b = f32[64]{0} parameter(1)
+  %ar = (f32[64,256]{1,0}, f32[64]{0}) all-reduce(%a, %b), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %g0 = f32[64,256]{1,0} get-tuple-element(%ar), index=0
+  %g1 = f32[64]{0} get-tuple-element(%ar), index=1
+  %pid = u32[] partition-id()
+  %f = f32[16,256]{1,0} fusion(%g0, %pid), kind=kLoop, calls=%fused_slice
+  ROOT %n = f32[64]{0} negate(%g1)
+}
+"""
+
+
+def test_cpu_all_reduce_that_is_only_sliced_counts_as_reduce_scatter():
+    """data=2 x fsdp=4 on the CPU: a gradient all-reduced over all 8 devices and sliced 1/4 per device is
+    a reduce-scatter over fsdp plus an all-reduce of the shard over data; the other element stays an
+    all-reduce. As compiled, it is one all-reduce of everything."""
+    grad, other = 64 * 256 * 4, 64 * 4
+    got = collective_bytes(SLICED_HLO, sliced_as_reduce_scatter=True)
+    assert got["reduce-scatter"]["bytes"] == grad * 3 / 4
+    assert got["all-reduce"]["bytes"] == 2 * (grad / 4) * 1 / 2 + 2 * other * 7 / 8
+    raw = collective_bytes(SLICED_HLO)
+    assert raw["all-reduce"]["bytes"] == 2 * (grad + other) * 7 / 8 and raw["reduce-scatter"]["count"] == 0
