@@ -590,9 +590,9 @@ def format_summary(s: dict) -> str:
 
 def main(argv: list[str]) -> int:
     """`jaxtrain profile-summary RUN_DIR [--json]`."""
-    import argparse
+    from jaxtrain.arguments import Parser  # bad usage: ConfigError, one line, exit 2
     from jaxtrain.config import ConfigError
-    p = argparse.ArgumentParser(prog="jaxtrain profile-summary",
+    p = Parser(prog="jaxtrain profile-summary",
                                 description="Split the profiled steps of a run (train.profile_steps) into compute, "
                                             "collectives, host wait and idle.")
     p.add_argument("run_dir", help="the run directory (run.output_dir) or its profile/ directory")
