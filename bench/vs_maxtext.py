@@ -24,7 +24,7 @@ MFU = model FLOP/s / the best plain jitted fp32 1024^2 matmul measured in the ru
 measures its own at start-up, logged in events.jsonl; MaxText's is measured with its venv's jax
 right before each of its runs).
 
-XLA flags: by default both sides get the CPU flags of bench/xla_cpu_flags.py (`--peer-flags
+XLA flags: by default both sides get the CPU flags of jaxtrain/xla_cpu.py (`--peer-flags
 same`); `--peer-flags none` runs MaxText with its defaults, `--no-flags` runs both without.
 
 MaxText is not a dependency of jaxtrain: it lives in its own Python 3.12 venv, made by
@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from xla_cpu_flags import cpu_xla_flags  # noqa: E402  (no JAX import)
+from jaxtrain.xla_cpu import cpu_xla_flags  # noqa: E402  (no JAX import)
 
 MAXTEXT_VERSION = "0.2.5"
 CPU_TINY = REPO / "configs/bench/cpu-tiny.yaml"

@@ -16,6 +16,8 @@ import os
 
 import jax
 
+from jaxtrain.xla_cpu import has_accelerator_hint
+
 
 def cluster_env() -> dict[str, str | int] | None:
     """Explicit coordinates from JAXTRAIN_* variables, or None."""
@@ -41,7 +43,7 @@ def initialize(timeout_s: int = 300) -> None:
     explicit = cluster_env()
     if explicit is None and not _autodetected_cluster():
         return
-    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator_hint():
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not has_accelerator_hint():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if explicit is not None:
         jax.distributed.initialize(**explicit, initialization_timeout=timeout_s)
@@ -65,6 +67,3 @@ def _slurm_local_device_ids() -> list[int] | None:
         count = sum(1 for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit())
     return list(range(count)) if count else None
 
-
-def _has_accelerator_hint() -> bool:
-    return any(k in os.environ for k in ("CUDA_VISIBLE_DEVICES", "TPU_NAME", "TPU_WORKER_ID")) or os.path.exists("/dev/nvidia0")

@@ -45,6 +45,7 @@ from jaxtrain.preemption import HostSync, StopSignals
 from jaxtrain.runlog import RunLog
 from jaxtrain.sharding import check_attention_layout, global_batch
 from jaxtrain.preflight import run_preflight
+from jaxtrain.profiling import StepProfiler
 from jaxtrain.stability import RollbackLog, RollbackRequest, SpikeGuard
 from jaxtrain.storage import check_access
 from jaxtrain.stragglers import Stragglers, job_hosts
@@ -89,6 +90,7 @@ class _Pending:
     def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None):
         self.step, self.metrics, self.data_wait_s, self.evaluation = step, metrics, data_wait_s, evaluation
         self.values: dict | None = None  # the metrics as Python values, once read
+        self.eval_s = 0.0  # host seconds spent queueing this step's evaluation
 
 
 class Trainer:
@@ -158,10 +160,13 @@ class Trainer:
         self._host_step = self.step_count  # the host's count, so it never has to read the device's step
         self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
         self.throughput = Throughput(flops_per_step(cfg), self.peak_flops, self.mesh.size, self._host_step)
+        self.profiler = StepProfiler(cfg.train.profile_steps, join(self.output_dir, "profile"), cfg.train.steps,
+                                     enabled=self.process_index == 0 and write_files)
         self.signals = StopSignals()
         self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
                                      self._event)
         self._blocked_s = 0.0  # this iteration's time blocked on the device (straggler accounting)
+        self._data_wait_since_log = 0.0  # data wait summed over the steps since the last metrics record
         self._fit_start = self._host_step
         self.watchdog.beat(self._host_step, "idle")  # built: no deadline until fit() runs
         self._skips_done: int | None = None  # the step at which rolled-back batches were last skipped
@@ -234,18 +239,25 @@ class Trainer:
         """Queue one step on the device (and its evaluation, if due, on the parameters it produces)."""
         if self.compiled_step is None:
             self._compile()
-        batch_index = self.data.position
+        batch_index = self.data.position if self.layout.chaos_drills else None
         local = next(self.data)
         wait = float(getattr(self.data, "last_wait_s", 0.0))
         batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
-        if self.layout.chaos_drills:
+        if batch_index is not None:
             factor = np.float32(self.chaos.batch_factor(batch_index, self._host_step + 1))
             batch["chaos"] = jax.make_array_from_callback((), self.layout.replicated, lambda _: factor)
         self.state, metrics = self.compiled_step(self.state, batch)
         self._host_step += 1
+        self._data_wait_since_log += wait
         # Queued before the next step donates this state: eval_loss at step N is of step N's parameters.
-        evaluation = self.evaluator.dispatch(self.state["params"]) if self.evaluator.due(self._host_step) else None
-        return _Pending(self._host_step, metrics, wait, evaluation)
+        evaluation, eval_s = None, 0.0
+        if self.evaluator.due(self._host_step):
+            t = time.perf_counter()
+            evaluation = self.evaluator.dispatch(self.state["params"])
+            eval_s = time.perf_counter() - t
+        pending = _Pending(self._host_step, metrics, wait, evaluation)
+        pending.eval_s = eval_s
+        return pending
 
     def _values(self, pending: _Pending) -> dict:
         """A finished step's metrics as Python values (a host sync on that step, which the loop
@@ -262,11 +274,15 @@ class Trainer:
         record = {"step": pending.step, "time": time.time(), **{k: values[k] for k in RECORDED},
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
+                  "data_wait_interval_s": self._data_wait_since_log,  # summed since the last record
                   "tokens_per_step": d.global_batch_size * d.seq_len}
+        self._data_wait_since_log = 0.0
         if self.cfg.stability.z_loss > 0:
             record["z_loss"] = values["z_loss"]
         if pending.evaluation is not None:
+            t = time.perf_counter()
             record["eval_loss"] = self.evaluator.result(pending.evaluation)
+            record["eval_s"] = pending.eval_s + time.perf_counter() - t  # queueing it + waiting for it
             self.throughput.exclude(pending.step)  # evaluation time is not step time
         return record
 
@@ -335,8 +351,8 @@ class Trainer:
         if stop is not None:
             self.log.event(stop, self._host_step, exit_code=EXIT_RESTART, skipped_steps=skipped, **self._stop_details)
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
-        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks or ()),
-                       stragglers=dict(self.stragglers.reports))
+        details = {"stragglers": dict(self.stragglers.reports)} if self.process_count > 1 else {}
+        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks or ()), **details)
         return {"step": self._host_step, "exit_code": EXIT_OK}
 
     def _iteration(self) -> str | None:
@@ -345,9 +361,11 @@ class Trainer:
         t0, self._blocked_s = time.perf_counter(), 0.0
         self._skip_rolled_back_batches()
         previous = self._take_pending()
+        self.profiler.before_step(self._host_step + 1, self.compiled_step)  # train.profile_steps
         self._pending = self._dispatch()
         step = self._pending.step
         request = self._observe(previous)  # reads step N's metrics (blocks until it is done)
+        self.profiler.after_step(step, self.state)
         if previous is not None:
             self.watchdog.beat(previous.step)
         if request is not None:
@@ -383,7 +401,8 @@ class Trainer:
         self.log.event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
                        hosts=self.hosts, mesh=self.mesh_sizes, pipeline=pipeline.describe(self.cfg, self.mesh_sizes),
                        params=self.num_params, attention=self.attention,
-                       compile_s=round(self.compile_s, 3), entropy_floor=getattr(self.data, "entropy_floor", None),
+                       compile_s=round(self.compile_s, 3), started_at=self._started_at,
+                       entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
         self.throughput.restart(self._host_step)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,16 @@ def test_inspect_works_from_shapes_alone_without_data(tmp_path):
     # fp32 parameters and both Adam moments, each split 8 ways: the arguments are an eighth of the state.
     state_bytes = 4 * report["params"] * 3
     assert state_bytes / 8 <= report["memory_bytes_per_device"]["arguments"] <= 1.01 * state_bytes / 8
+
+
+def test_cpu_runs_get_the_fast_xla_cpu_flags_unless_the_user_set_them(monkeypatch):
+    from jaxtrain import cli
+    from jaxtrain.xla_cpu import YNN_FUSIONS, cpu_xla_flags
+    assert YNN_FUSIONS in cpu_xla_flags()  # this machine's jaxlib is one the flags were checked with
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
+    cli._set_cpu_flags(cpu_devices=2)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_cpu_experimental_ynn_fusion_type=dot" and YNN_FUSIONS not in flags  # the user's wins
+    monkeypatch.setenv("XLA_FLAGS", "")
+    cli._set_cpu_flags(cpu_devices=2)
+    assert YNN_FUSIONS in os.environ["XLA_FLAGS"].split()

@@ -1,7 +1,7 @@
-"""XLA flags that make the CPU backend faster on the cpu-tiny benchmark, for the bench scripts.
+"""XLA flags that make the CPU backend faster; `jaxtrain train` sets them on the CPU by itself.
 
-    from xla_cpu_flags import cpu_xla_flags     # before JAX is imported
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *cpu_xla_flags()])
+    from jaxtrain.xla_cpu import cpu_xla_flags, with_flags     # before JAX is imported
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags())
 
 - `--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`: XLA's CPU backend hands dots,
   elementwise ops and reductions to YNNPACK (by default only dots). Elementwise passes that
@@ -17,10 +17,18 @@ The numerics are the same to fp32 rounding (the loss of the first step agrees to
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 from pathlib import Path
 
 YNN_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
 VECTOR_512 = "--xla_cpu_prefer_vector_width=512"
+
+
+def has_accelerator_hint() -> bool:
+    """Whether this machine looks like it has a GPU or TPU (read without importing JAX)."""
+    return (any(k in os.environ for k in ("CUDA_VISIBLE_DEVICES", "TPU_NAME", "TPU_WORKER_ID"))
+            or os.path.exists("/dev/nvidia0"))
 
 
 def has_avx512() -> bool:
@@ -31,8 +39,24 @@ def has_avx512() -> bool:
         return False
 
 
+# XLA aborts on a flag it does not know, so only versions where these were checked get them
+# (the YNN fusion flag is experimental and may be renamed).
+CHECKED_JAXLIB = ((0, 10), (0, 12))
+
+
+def _jaxlib_checked() -> bool:
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return CHECKED_JAXLIB[0] <= (major, minor) <= CHECKED_JAXLIB[1]
+
+
 def cpu_xla_flags() -> list[str]:
-    """The recommended XLA flags for this CPU (to be set before JAX starts)."""
+    """The recommended XLA flags for this CPU (to be set before JAX starts); none for a jaxlib
+    these flags were not checked with."""
+    if not _jaxlib_checked():
+        return []
     return [YNN_FUSIONS] + ([VECTOR_512] if has_avx512() else [])
 
 
