@@ -63,10 +63,11 @@ def slurm_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
-def sbatch(env: dict[str, str], cwd: Path, name: str, *overrides: str, **script_env: str) -> subprocess.Popen:
-    """Submit the drill (2 tasks x 2 CPU devices on one node) and wait for it in the background."""
+def sbatch(env: dict[str, str], cwd: Path, name: str, *overrides: str, wait: bool = True,
+           **script_env: str) -> subprocess.Popen:
+    """Submit the drill (2 tasks x 2 CPU devices on one node) and (`wait`) wait for it in the background."""
     out = cwd / "run"
-    cmd = ["sbatch", "--wait", f"--job-name={name}", "--gpus-per-node=0", "-N1", "--ntasks-per-node=2",
+    cmd = ["sbatch", *(["--wait"] if wait else []), f"--job-name={name}", "--gpus-per-node=0", "-N1", "--ntasks-per-node=2",
            "--time=20", f"--output={cwd}/slurm-%j.out", str(SBATCH), str(TINY), f"run.output_dir={out}", *DRILL,
            f"checkpoint.compilation_cache_dir={env['JAX_COMPILATION_CACHE_DIR']}", *overrides, "--cpu-devices", "2"]
     return subprocess.Popen(cmd, cwd=cwd, env={**env, **script_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -153,18 +154,26 @@ def test_killed_task_restarts_the_step_inside_the_allocation(tmp_path, slurm_env
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_killed_task_requeues_the_job(tmp_path, slurm_env, reference):
+    # Not `sbatch --wait`: it may return (exit 1) the moment the first run ends in REQUEUED. The
+    # job's own record says when it is really over.
     name = f"jaxtrain-requeue-{os.getpid()}"
-    job = sbatch(slurm_env, tmp_path, name, *KILL, STEP_RESTARTS="0", MAX_REQUEUES="1")
-    released, deadline = False, time.time() + 480
-    while job.poll() is None and time.time() < deadline:
-        state = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i %T %r"], capture_output=True, text=True).stdout.split()
-        if not released and len(state) == 3 and state[1] == "PENDING" and state[2] == "BeginTime":
+    submit = sbatch(slurm_env, tmp_path, name, *KILL, wait=False, STEP_RESTARTS="0", MAX_REQUEUES="1")
+    out, _ = submit.communicate(timeout=60)
+    job_id = out.split()[-1]
+    released, deadline, job = False, time.time() + 480, {}
+    while time.time() < deadline:
+        fields = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout.split()
+        job = dict(f.split("=", 1) for f in fields if "=" in f)
+        if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if not released and job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
             # The requeued job waits for its old credential to expire; let it start now.
-            subprocess.run(["scontrol", "update", f"JobId={state[0]}", "StartTime=now"], check=True)
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
             released = True
         time.sleep(0.5)
-    log = finish(job, tmp_path)
-    assert released, log[-3000:]
+    log = "".join(p.read_text() for p in sorted(tmp_path.glob("slurm-*.out")))
+    assert job.get("JobState") == "COMPLETED" and job.get("ExitCode") == "0:0", (job, log[-3000:])
+    assert released and job.get("Restarts") == "1", log[-3000:]
     assert "requeueing (requeue 1 of 1)" in log and "restarting the step" not in log
     assert "attempt 1 (requeue 1, step restart 0)" in log and "jaxtrain: done" in log
     assert_same_run(tmp_path / "run", reference)
