@@ -6,6 +6,9 @@ One process, one CPU device, three trainers on configs/bench/cpu-tiny.yaml built
   bf16          precision.policy=bf16 (guard on: the default)
   bf16-noguard  precision.policy=bf16 stability.guard=false (no skip selection, no spike statistics)
   fp16          precision.policy=fp16 (guard on, dynamic loss scaling)
+  fp16-noguard  the same without the guard (the scale still multiplies the loss; it no longer adapts)
+On a CPU, fp16 and bf16 arithmetic are both emulated (converted to fp32 around each op), and
+fp16's conversions cost more: fp16 vs bf16 there measures the dtype, the guard rows the guard.
 Rounds alternate A B C A B C ..., so machine noise hits all alike. Per variant two figures:
   own timer   median of per-step wall times (each step synchronised, as `Trainer.step()` does);
   wall clock  (T(3N steps) - T(N steps)) / 2N of the asynchronous loop (dispatch without reading
@@ -39,6 +42,7 @@ VARIANTS = {
     "bf16": ["precision.policy=bf16"],
     "bf16-noguard": ["precision.policy=bf16", "stability.guard=false"],
     "fp16": ["precision.policy=fp16"],
+    "fp16-noguard": ["precision.policy=fp16", "stability.guard=false"],
 }
 
 
@@ -85,6 +89,8 @@ def main() -> None:
         "guard_overhead_wall": round(result["bf16"]["wall_step_s"] / base["wall_step_s"] - 1, 4),
         "fp16_vs_bf16_own": round(result["fp16"]["own_step_s"] / result["bf16"]["own_step_s"] - 1, 4),
         "fp16_vs_bf16_wall": round(result["fp16"]["wall_step_s"] / result["bf16"]["wall_step_s"] - 1, 4),
+        "fp16_guard_overhead_own": round(result["fp16"]["own_step_s"] / result["fp16-noguard"]["own_step_s"] - 1, 4),
+        "fp16_guard_overhead_wall": round(result["fp16"]["wall_step_s"] / result["fp16-noguard"]["wall_step_s"] - 1, 4),
     }))
 
 
