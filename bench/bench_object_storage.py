@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     load = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
     labels = {"local": "local disk", "gs": "gs:// (gcp-storage-emulator)", "s3": "s3:// (moto_server)"}
     base = results.get("local")
-    lines = [f"Preliminary: measured {date} on {machine()}, load average {load} (other jobs running); "
+    lines = [f"Measured {date} on {machine()}, load average {load} (is anything else running? say so); "
              f"{nbytes / 1e6:.0f} MB state (float32, 1 CPU device), median of {args.repeats} async saves "
              f"after a warm-up, `python bench/bench_object_storage.py`.", "",
              "| storage | training blocked by an async save | save to commit marker (background) | restore |",
