@@ -359,6 +359,17 @@ def test_prepare_data_refuses_non_empty_output_and_writes_nothing_on_error(tmp_p
         "a.txt", "bad.jsonl", "out"]
 
 
+def test_prepare_data_directory_without_text_files_says_how_to_pass_others(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# notes")
+    with pytest.raises(ConfigError, match=r"has no .txt or .jsonl files; to read files with other names, pass "
+                                          r"them or a quoted glob, e\.g\. '.*docs/\*\.md'"):
+        prepare_main(["--input", str(tmp_path / "docs"), "--output", str(tmp_path / "out")])
+    with pytest.raises(ConfigError, match="unrecognized arguments: --frobnicate"):  # one line, not usage + error
+        prepare_main(["--input", str(tmp_path / "docs"), "--output", str(tmp_path / "out"), "--frobnicate"])
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- bad input -> ConfigError
 
 
