@@ -45,6 +45,7 @@ from jaxtrain.arguments import Parser, parse, train_parser
 from jaxtrain.config import Config, ConfigError, load_config
 from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE
 from jaxtrain.paths import is_remote
+from jaxtrain.runlog import append_event
 
 RESTART_ATTEMPT_ENV = "JAXTRAIN_RESTART_ATTEMPT"  # 0 on the first attempt, n on the n-th restart
 SLOT_ENV = "JAXTRAIN_SLOT"  # the launcher slot a process runs in; slots keep their number when one is isolated
@@ -115,25 +116,6 @@ def last_known_step(output_dir: str | Path | None) -> int:
     if output_dir is None or is_remote(output_dir):
         return -1
     return max(_last_step_in(Path(output_dir) / "metrics.jsonl"), _last_step_in(Path(output_dir) / "events.jsonl"))
-
-
-def append_event(output_dir: str | Path | None, kind: str, step: int, **details: object) -> None:
-    """Append one event line (same shape as the trainer's: time, step, kind, details) to events.jsonl.
-
-    Only called while no child runs, so the launcher is never a second concurrent writer.
-
-    Args:
-      output_dir: the run directory (None: nothing is written).
-      kind: the event kind, e.g. "restart".
-      step: the step the event refers to (-1 if unknown).
-      details: more JSON-serializable fields.
-    """
-    if output_dir is None or is_remote(output_dir):
-        return  # gs://... run directories: the trainer's own events are there; we only log to stderr
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    record = {"time": time.time(), "step": int(step), "kind": kind, **details}
-    with open(Path(output_dir) / "events.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def _die_with_parent() -> None:

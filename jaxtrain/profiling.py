@@ -579,7 +579,7 @@ def format_summary(s: dict) -> str:
                      f"{c['bytes'] / 2**20:9.2f} MiB  {bw}")
     for k in WAIT_KINDS:
         lines.append(f"  {k:<22} {s['parts_s'][k] * 1e3:10.2f} ms {pct(s['parts_s'][k])}")
-    lines += ["", f"top ops (per step per device):"]
+    lines += ["", "top ops (per step per device):"]
     for o in s["top_ops"]:
         lines.append(f"  {o['op']:<32} {o['category']:<18} {o['time_s'] * 1e3:9.2f} ms {100 * o['share']:5.1f}%  "
                      f"x{o['count_per_step']:.0f}  {o['scope'][-60:]}")

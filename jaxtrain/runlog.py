@@ -146,3 +146,20 @@ def _jsonable(x: Any) -> Any:
 
 def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def append_event(output_dir: str | None, kind: str, step: int, **details: Any) -> None:
+    """One event line appended to events.jsonl from outside the RunLog: the launcher (between
+    attempts) and the hang watchdog of any process (while the loop is stuck). A single O_APPEND
+    write, so lines of several writers never interleave on a local filesystem. Remote run
+    directories: nothing (those writers report on stderr; the RunLog owns the remote objects)."""
+    if output_dir is None or is_remote(output_dir):
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    record = {"time": time.time(), "step": int(step), "kind": kind, **details}
+    line = json.dumps(_finite_or_name(record), default=_jsonable) + "\n"
+    fd = os.open(os.path.join(output_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)

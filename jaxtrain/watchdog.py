@@ -40,6 +40,7 @@ from typing import Iterator
 from jaxtrain.config import FaultConfig
 from jaxtrain.exit_codes import EXIT_RESTART
 from jaxtrain.paths import is_remote
+from jaxtrain.runlog import append_event
 
 PHASES = ("startup", "checkpoint", "step", "idle")  # idle: between notebook calls, no deadline
 LINGER_S = 10.0  # after declaring a hang, how long to wait for the other processes to notice it
@@ -184,17 +185,3 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)  # the C-level view as well
         return str(path)
-
-
-def append_event(output_dir: str, kind: str, step: int, **details: object) -> None:
-    """One event line appended to events.jsonl by any process (a single write: lines of several
-    writers do not interleave on a local filesystem). Remote run directories: stderr only."""
-    if is_remote(output_dir):
-        return
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"time": time.time(), "step": int(step), "kind": kind, **details}) + "\n"
-    fd = os.open(Path(output_dir) / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trees import assert_trees_close, assert_trees_equal
+from trees import assert_trees_close, assert_trees_equal, final_params
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.launch import (RESTART_ATTEMPT_ENV, SLOT_ENV, Shrink, ShrinkRefused, Supervisor, last_known_step, main,
@@ -424,21 +424,6 @@ def reference(tmp_path_factory, child_env) -> Path:
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[p0]" in r.stdout + r.stderr and "[p1]" in r.stdout + r.stderr
     return out
-
-
-def final_params(run_dir: Path) -> dict:
-    """The parameters of a run directory's latest checkpoint, on one device (layout-free)."""
-    import jax
-    from flax import nnx
-
-    from jaxtrain.checkpoint import restore_params_only
-    from jaxtrain.model import Transformer
-
-    cfg = load_config(run_dir / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
-    abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
-    return jax.device_get(restore_params_only(str(run_dir), abstract))
 
 
 @pytest.mark.multiprocess

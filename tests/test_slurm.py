@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
-from trees import assert_trees_equal
+from trees import assert_trees_equal, final_params
 
-from jaxtrain.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs/tiny.yaml"
@@ -84,21 +83,6 @@ def finish(job: subprocess.Popen, cwd: Path, timeout: float = 480) -> str:
     log = "".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
     assert job.returncode == 0, (out + log)[-4000:]
     return log
-
-
-def final_params(run_dir: Path) -> dict:
-    """The parameters of a run directory's latest checkpoint, on one device (layout-free)."""
-    import jax
-    from flax import nnx
-
-    from jaxtrain.checkpoint import restore_params_only
-    from jaxtrain.model import Transformer
-
-    cfg = load_config(run_dir / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
-    abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
-    return jax.device_get(restore_params_only(str(run_dir), abstract))
 
 
 @pytest.fixture(scope="module")

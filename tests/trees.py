@@ -1,10 +1,12 @@
-"""Comparing pytrees in tests: structure first, then every leaf by name.
+"""Comparing pytrees in tests: structure first, then every leaf by name (and a run's final parameters).
 
 `zip(tree_leaves(a), tree_leaves(b))` silently pairs the wrong leaves when the structures differ
 (or stops at the shorter one); these helpers fail instead, naming the leaf.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -50,3 +52,18 @@ def assert_trees_differ(got, want, rel: float, what: str = "") -> None:
     a, b = named_leaves(got), named_leaves(want)
     for name in b:
         assert rel_err(a[name], b[name]) > rel, f"{what}{name} did not change"
+
+
+def final_params(run_dir: Path) -> dict:
+    """The parameters of a run directory's latest checkpoint, on one device (layout-free)."""
+    from flax import nnx
+
+    from jaxtrain.checkpoint import restore_params_only
+    from jaxtrain.config import load_config
+    from jaxtrain.model import Transformer
+
+    cfg = load_config(Path(run_dir) / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
+    abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
+    return jax.device_get(restore_params_only(str(run_dir), abstract))
