@@ -144,11 +144,15 @@ def test_killed_task_requeues_the_job(tmp_path, slurm_env, reference):
     submit = sbatch(slurm_env, tmp_path, name, *KILL, wait=False, STEP_RESTARTS="0", MAX_REQUEUES="1")
     out, _ = submit.communicate(timeout=60)
     job_id = out.split()[-1]
-    released, deadline, job = False, time.time() + 480, {}
+    released, requeued, deadline, job = False, False, time.time() + 480, {}
     while time.time() < deadline:
         fields = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout.split()
         job = dict(f.split("=", 1) for f in fields if "=" in f)
-        if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        # The first run can read FAILED for a moment (even with Restarts=1) before SLURM requeues it:
+        # only a terminal state after the requeued run was seen pending or running ends the wait.
+        requeued |= job.get("Restarts") == "1" and job.get("JobState") in ("PENDING", "RUNNING")
+        if requeued and job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                                "OUT_OF_MEMORY"):
             break
         if not released and job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
             # The requeued job waits for its old credential to expire; let it start now.
