@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+FLOAT32_MAX = 3.4028234663852886e38  # the loss scale lives in float32
 
 
 class ConfigError(ValueError):
@@ -209,6 +212,9 @@ class ChaosConfig:
     # `jaxtrain launch` (kept when other slots are isolated), else the process index.
     crash_process: int = -1  # the slot that crashes (exit 1) on every attempt (-1 = none)
     crash_at_step: int = 0  # 0: at start-up, before the first step; N: right after the first step >= N an attempt runs
+    # A bad link: the preflight exchange between these two processes ([i, j]) takes slow_link_seconds longer.
+    slow_link: list = dataclasses.field(default_factory=list)
+    slow_link_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,9 +478,15 @@ def validate(cfg: Config) -> None:
             if a is not None and a not in ("data", "stage", "fsdp", "tensor"):
                 raise ConfigError(
                     f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, tensor")
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):  # inf would e.g. skip every fp16 step
+                raise ConfigError(f"config key '{section.name}.{f.name}' must be a finite number, got {value}")
     p, st = cfg.precision, cfg.stability
     checks = [
-        ("precision.loss_scale_init", p.loss_scale_init, p.loss_scale_init > 0, "must be positive"),
+        ("precision.loss_scale_init", p.loss_scale_init, 0 < p.loss_scale_init <= FLOAT32_MAX,
+         "must be positive and fit in float32 (<= 3.4e38)"),
         ("precision.growth_interval", p.growth_interval, p.growth_interval > 0, "must be positive"),
         ("precision.growth_factor", p.growth_factor, p.growth_factor > 1, "must be > 1"),
         ("precision.backoff_factor", p.backoff_factor, 0 < p.backoff_factor < 1, "must be within (0, 1)"),
@@ -506,10 +518,15 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key 'chaos.{key}' must be a list of step numbers >= 1, got {steps!r}")
     ch = cfg.chaos
     for key, value in {"chaos.slow_seconds": ch.slow_seconds, "chaos.start_delay_s": ch.start_delay_s,
+                       "chaos.slow_link_seconds": ch.slow_link_seconds,
                        "chaos.kill_process": ch.kill_process, "chaos.slow_process": ch.slow_process,
                        "chaos.crash_at_step": ch.crash_at_step, "train.eval_every": t.eval_every}.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    if ch.slow_link and not (len(ch.slow_link) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                         for x in ch.slow_link) and ch.slow_link[0] != ch.slow_link[1]):
+        raise ConfigError(f"config key 'chaos.slow_link' must be two different process indices [i, j], "
+                          f"got {ch.slow_link!r}")
     if ch.crash_process < -1:
         raise ConfigError(f"config key 'chaos.crash_process' must be a slot number >= 0 or -1 (none), got {ch.crash_process}")
     ps = t.profile_steps

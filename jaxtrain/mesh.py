@@ -80,7 +80,8 @@ def validate_against_devices(cfg: Config, num_devices: int, num_processes: int =
     c = cfg.chaos
     drills = {"chaos.kill_process": (c.kill_process, c.kill_at_step >= 0),
               "chaos.slow_process": (c.slow_process, c.slow_seconds > 0 or c.start_delay_s > 0),
-              "chaos.hang_process": (c.hang_process, c.hang_at_step >= 0)}
+              "chaos.hang_process": (c.hang_process, c.hang_at_step >= 0),
+              **{f"chaos.slow_link[{k}]": (p, True) for k, p in enumerate(c.slow_link)}}
     for key, (process, enabled) in drills.items():
         if enabled and not 0 <= process < num_processes:
             raise ConfigError(f"{key}={process} names no process of this job: it has {num_processes} "

@@ -50,7 +50,9 @@ def update_loss_scale(cfg: Config, loss_scale: LossScale, grads_finite: jax.Arra
     p = cfg.precision
     scale, good = loss_scale["scale"], loss_scale["good_steps"]
     grown = good + 1 >= p.growth_interval
-    finite_scale = jnp.where(grown, scale * p.growth_factor, scale)
+    grown_scale = scale * p.growth_factor
+    # Never grow into float32 inf: an infinite scale stays infinite after backoff and skips every step.
+    finite_scale = jnp.where(grown & jnp.isfinite(grown_scale), grown_scale, scale)
     finite_good = jnp.where(grown, 0, good + 1)
     backed_off = jnp.maximum(scale * p.backoff_factor, p.min_loss_scale)
     return {"scale": jnp.where(grads_finite, finite_scale, backed_off).astype(jnp.float32),

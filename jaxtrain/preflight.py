@@ -7,7 +7,8 @@ Three measurements, each the best of a few timed repetitions after a warm-up:
    on the whole job, so a slow network shows as a slow axis;
 3. pairwise bandwidth between processes: a two-way exchange between the first devices of each pair
    of processes (every pair up to 16 processes, ring neighbours beyond), so one bad link is named
-   rather than a slow job.
+   rather than a slow job. Only the two ends of a pair time it (the slower end's figure counts), and
+   a pair is slow against the median of all pairs, so naming a link needs 3 or more processes.
 The per-process numbers are gathered (`hostcomm.LateAllGather`) and compared with the median: a
 process whose matmul rate, or a pair whose bandwidth, is below `fault.preflight_factor` x the
 median is named in the `preflight` event, with every number. `fault.preflight_action: exit` makes
@@ -68,25 +69,34 @@ def axis_bandwidth(mesh: Mesh, axis: str, mbytes: float, repeats: int) -> dict[s
             "all_gather_gbps": nbytes * (n - 1) / t_gather / 1e9}
 
 
-def pair_bandwidths(mbytes: float, repeats: int) -> dict[tuple[int, int], float]:
-    """GB/s of a two-way exchange between the first devices of each pair of processes."""
-    count = jax.process_count()
+def process_pairs(count: int) -> list[tuple[int, int]]:
+    """Every pair of processes up to MAX_ALL_PAIRS processes, ring neighbours beyond."""
+    if count <= MAX_ALL_PAIRS:
+        return list(itertools.combinations(range(count), 2))
+    return sorted({tuple(sorted((p, (p + 1) % count))) for p in range(count)})
+
+
+def pair_bandwidths(mbytes: float, repeats: int, slow_link: tuple[int, int] | None = None,
+                    slow_s: float = 0.0) -> np.ndarray:
+    """GB/s of a two-way exchange between the first devices of each pair of processes, as this
+    process saw it: one entry per `process_pairs`, NaN for pairs it is not an end of (its clock says
+    nothing about them). `slow_link`/`slow_s`: the chaos drill of one bad link."""
+    count, me = jax.process_count(), jax.process_index()
     firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
     mesh = Mesh(np.array(firsts), ("process",))
     per_device = max(1, int(mbytes * 2**20 / 4))
-    local = [d for d in firsts if d.process_index == jax.process_index()]
+    local = [d for d in firsts if d.process_index == me]
     x = jax.make_array_from_single_device_arrays(
         (count, per_device), NamedSharding(mesh, P("process")),
         [jax.device_put(jnp.ones((1, per_device), jnp.float32), d) for d in local])
-    if count <= MAX_ALL_PAIRS:
-        pairs = list(itertools.combinations(range(count), 2))
-    else:
-        pairs = sorted({tuple(sorted((p, (p + 1) % count))) for p in range(count)})
-    out = {}
-    for i, j in pairs:
+    out = np.full(len(process_pairs(count)), np.nan)
+    for k, (i, j) in enumerate(process_pairs(count)):
         swap = jax.jit(jax.shard_map(lambda b: jax.lax.ppermute(b, "process", [(i, j), (j, i)]), mesh=mesh,
                                      in_specs=P("process"), out_specs=P("process")))
-        out[(i, j)] = 2 * per_device * 4 / _best_time(lambda: swap(x), repeats) / 1e9
+        slow = slow_s if slow_link == (i, j) else 0.0
+        seconds = _best_time(lambda: swap(x), repeats, slow)  # every process takes part in every exchange
+        if me in (i, j):
+            out[k] = 2 * per_device * 4 / seconds / 1e9
     return out
 
 
@@ -102,11 +112,16 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
     slow_s = c.slow_seconds if (c.slow_seconds > 0 and me == c.slow_process) else 0.0
     mine = min(matmul_tflops(d, matmul_n, repeats, slow_s) for d in mesh.local_devices)
     axes = {a: axis_bandwidth(mesh, a, mbytes, repeats) for a in mesh.axis_names if mesh.shape[a] > 1}
-    pairs = pair_bandwidths(mbytes, repeats) if count > 1 else {}
+    pairs: dict[tuple[int, int], float] = {}
     if count > 1:
+        link = tuple(sorted(c.slow_link)) if len(c.slow_link) == 2 else None
+        seen = pair_bandwidths(mbytes, repeats, link, c.slow_link_seconds)
         gather = LateAllGather(mesh)
-        gather.start(0, np.array([mine]))
-        matmul = gather.result(1)[:, 0].tolist()
+        gather.start(0, np.concatenate([[mine], seen]))
+        table = gather.result(1)  # (process, 1 + pairs): the same numbers on every process
+        matmul = table[:, 0].tolist()
+        # A pair's bandwidth is what the slower of its two ends measured.
+        pairs = {pair: float(np.nanmin(table[:, 1 + k])) for k, pair in enumerate(process_pairs(count))}
     else:
         matmul = [mine]
     factor = cfg.fault.preflight_factor
@@ -116,7 +131,8 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
     if pairs:
         median_pair = statistics.median(pairs.values())
         slow_pairs = [list(p) for p, v in pairs.items() if v < factor * median_pair]
-        # A process in every one of its slow pairs' ends more than once is the likely bad link's owner.
+        # A process at an end of more than one slow pair is the likely owner of the bad link (its
+        # network card): it is named too. One slow pair alone names no process, only the link.
         ends = [p for pair in slow_pairs for p in pair]
         named += sorted({p for p in ends if ends.count(p) > 1 and p not in named})
     report = {"processes": count, "hosts": hosts, "matmul_tflops": [round(v, 4) for v in matmul],
@@ -124,7 +140,8 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
               "axes_gbps": {a: {k: round(v, 3) for k, v in b.items()} for a, b in axes.items()},
               "pairs_gbps": {f"{i}-{j}": round(v, 3) for (i, j), v in pairs.items()},
               "factor": factor, "named": sorted(named), "named_hosts": [hosts[p] for p in sorted(named)],
-              "slow_pairs": slow_pairs, "action": cfg.fault.preflight_action}
+              "slow_pairs": slow_pairs, "slow_pair_hosts": [[hosts[i], hosts[j]] for i, j in slow_pairs],
+              "action": cfg.fault.preflight_action}
     event("preflight", 0, **report)
     return report
 

@@ -44,6 +44,7 @@ from jaxtrain.runlog import append_event
 
 PHASES = ("startup", "checkpoint", "step", "idle")  # idle: between notebook calls, no deadline
 LINGER_S = 10.0  # after declaring a hang, how long to wait for the other processes to notice it
+PUBLISH_MAX_S = 4.0  # progress is shared, and peers' hang declarations read, at least this often
 
 
 class Watchdog:
@@ -63,7 +64,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         shortest = min(cfg.hang_timeout_s or 1.0, cfg.startup_timeout_s, cfg.checkpoint_timeout_s)
         self._poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, shortest / 20))
-        self._publish_every_s = max(1.0, shortest / 4)
+        # Every few seconds whatever the deadlines: a peer that declared a hang lingers only LINGER_S.
+        self._publish_every_s = min(PUBLISH_MAX_S, max(1.0, shortest / 4))
         self._last_publish = 0.0
 
     # -- the loop's side (cheap: a lock and two assignments)

@@ -72,6 +72,11 @@ def test_overrides_and_types():
     (["train.steps"], "not of the form section.key=value"),
     (["data.seq_len=4096"], "data.seq_len=4096 is larger than model.max_seq_len=256"),
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last must be >= 0, got -1"),
+    # An infinite loss scale stays infinite after backoff: every fp16 step would be skipped.
+    (["precision.loss_scale_init=inf"], "'precision.loss_scale_init' must be a finite number, got inf"),
+    (["precision.loss_scale_init=1e39"], "'precision.loss_scale_init' must be positive and fit in float32"),
+    (["stability.z_loss=.inf"], "'stability.z_loss' must be a finite number"),
+    (["chaos.slow_link=[1, 1]"], "'chaos.slow_link' must be two different process indices"),
 ])
 def test_phase1_errors_name_the_problem(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -93,6 +98,7 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["data.source=tokens", "data.path=/nonexistent/corpus.bin"], "/nonexistent/corpus.bin"),
     (["chaos.kill_at_step=3", "chaos.kill_process=1"], "chaos.kill_process=1 names no process of this job"),
     (["chaos.slow_seconds=0.1", "chaos.slow_process=2"], "chaos.slow_process=2 names no process"),
+    (["chaos.slow_link=[0, 3]", "chaos.slow_link_seconds=0.1"], "chaos.slow_link[1]=3 names no process"),
     (["mesh.rules={lenght: data}"], "unknown logical axis 'lenght'; did you mean 'length'?"),
     (["model.attention=pallas", "mesh.data=2", "mesh.fsdp=4", "mesh.rules={length: fsdp}"],
      "each shard would attend only within its chunk"),

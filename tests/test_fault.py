@@ -83,8 +83,10 @@ def child_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
-def launch(env: dict, out: Path, *overrides: str, restarts: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+def launch(env: dict, out: Path, *overrides: str, restarts: int = 0, timeout: int = 300,
+           processes: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", str(processes),
+                           "--cpu-devices", "1",
                            "--max-restarts", str(restarts), "--grace-period-s", "2", "--", "train", "--config", TINY,
                            *SMALL, f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={env['CACHE']}",
                            *overrides], env=env, capture_output=True, text=True, timeout=timeout)
@@ -142,6 +144,20 @@ def test_preflight_names_a_slowed_process_and_can_stop_the_job(tmp_path, child_e
     assert stop.returncode == 75, stop.stderr[-3000:]
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "stop" / "events.jsonl")]
     assert "preflight_failed" in kinds and "start" not in kinds
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_preflight_names_a_bad_link_between_two_of_three_processes(tmp_path, child_env):
+    """Only the link 0-2 is slow: the pair is named on every process alike, and no process is (one
+    slow pair does not say which end is bad); the run goes on."""
+    r = launch(child_env, tmp_path / "run", "train.steps=1", "data.global_batch_size=6", "chaos.slow_link=[0, 2]",
+               "chaos.slow_link_seconds=0.05", processes=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = next(e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "preflight")
+    assert report["slow_pairs"] == [[0, 2]] and report["named"] == [], report
+    assert set(report["pairs_gbps"]) == {"0-1", "0-2", "1-2"} and len(report["slow_pair_hosts"]) == 1
+    assert report["pairs_gbps"]["0-2"] < 0.5 * min(report["pairs_gbps"]["0-1"], report["pairs_gbps"]["1-2"])
 
 
 def test_preflight_alone_reports_every_mesh_axis(tmp_path):
