@@ -182,7 +182,7 @@ class FaultConfig:
     stragglers.py, preflight.py)."""
 
     hang_timeout_s: float = 600.0  # no step finished for this long -> stacks dumped, `hang` event, exit 75 (0 = off)
-    startup_timeout_s: float = 1800.0  # deadline for start-up: restore and the first compile and step
+    startup_timeout_s: float = 1800.0  # deadline for start-up: distributed init, the first compile and step
     checkpoint_timeout_s: float = 1800.0  # deadline for one checkpoint save or restore call
     straggler_every: int = 50  # steps between cross-process comparisons of host step times (0 = off)
     straggler_factor: float = 1.5  # a process this many times slower than the median is a straggler

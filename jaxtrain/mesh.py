@@ -8,6 +8,7 @@ devices form a contiguous block of the batch (the data loader relies on that).
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import jax
@@ -16,6 +17,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from jaxtrain.config import Config, ConfigError, MeshConfig, validate_pipeline
+from jaxtrain.launch import SLOT_ENV
 
 AXES = ("data", "stage", "fsdp", "tensor")
 
@@ -82,6 +84,8 @@ def validate_against_devices(cfg: Config, num_devices: int, num_processes: int =
               "chaos.slow_process": (c.slow_process, c.slow_seconds > 0 or c.start_delay_s > 0),
               "chaos.hang_process": (c.hang_process, c.hang_at_step >= 0),
               **{f"chaos.slow_link[{k}]": (p, True) for k, p in enumerate(c.slow_link)}}
+    if not os.environ.get(SLOT_ENV):  # under `jaxtrain launch` it is a slot, which may be an isolated one
+        drills["chaos.crash_process"] = (c.crash_process, c.crash_process >= 0)
     for key, (process, enabled) in drills.items():
         if enabled and not 0 <= process < num_processes:
             raise ConfigError(f"{key}={process} names no process of this job: it has {num_processes} "

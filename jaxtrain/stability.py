@@ -130,11 +130,19 @@ class RollbackLog:
 
     NAME = "rollbacks.json"
 
-    def __init__(self, checkpoint_dir: str, primary: bool):
+    def __init__(self, checkpoint_dir: str, primary: bool,
+                 agree: Callable[[str, Callable[[], str]], str] | None = None):
+        """`agree(what, decide)`: process 0 decides, every process gets its answer
+        (`Checkpointer.agree`). The records decide how many collective calls follow (one discard
+        per record), so every process must see process 0's file, not its own view of the disk."""
         from jaxtrain.checkpoint.layout import to_path
         self.path = to_path(checkpoint_dir) / self.NAME
         self.primary = primary
-        self.records: list[dict] = json.loads(self.path.read_text())["rollbacks"] if self.path.exists() else []
+
+        def read() -> str:
+            return self.path.read_text() if self.path.exists() else '{"rollbacks": []}'
+
+        self.records: list[dict] = json.loads(agree("rollbacks", read) if agree else read())["rollbacks"]
 
     def __len__(self) -> int:
         return len(self.records)

@@ -134,7 +134,8 @@ class Trainer:
 
         # Restore or init. Every process takes the same path of collective calls whatever the
         # filesystem shows: the latest-step agreement runs on all of them, also on a fresh run
-        # (where it agrees on "none"). The watchdog covers it with the start-up deadline.
+        # (where it agrees on "none"). The watchdog covers it with the start-up deadline (a restore
+        # with the checkpoint deadline).
         self.output_dir = cfg.run.output_dir
         self.watchdog = Watchdog(cfg.fault if write_files else dataclasses.replace(cfg.fault, hang_timeout_s=0),
                                  output_dir=self.output_dir, process_index=self.process_index,
@@ -183,14 +184,16 @@ class Trainer:
         cfg = self.cfg
         checkpoint_dir = join(self.output_dir, "checkpoints")
         self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
-        self.rollbacks = RollbackLog(checkpoint_dir, primary=self.process_index == 0) if write_files else None
+        self.rollbacks = RollbackLog(checkpoint_dir, primary=self.process_index == 0,
+                                     agree=self.checkpointer.agree) if write_files else None
         for record in self.rollbacks.records if self.rollbacks is not None else []:
             # A rollback that died before discarding what it superseded: finish it (idempotent).
             self.checkpointer.discard_after(record["to_step"], committed_before=record["time"])
         self.resumed_from: int | None = None
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
         if latest is not None:
-            self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
+            with self.watchdog.phase("checkpoint"):  # a restore gets the checkpoint deadline, not start-up's
+                self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
             self.data.set_state(extra["data"])
             self.resumed_from = latest
         else:

@@ -99,6 +99,8 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["chaos.kill_at_step=3", "chaos.kill_process=1"], "chaos.kill_process=1 names no process of this job"),
     (["chaos.slow_seconds=0.1", "chaos.slow_process=2"], "chaos.slow_process=2 names no process"),
     (["chaos.slow_link=[0, 3]", "chaos.slow_link_seconds=0.1"], "chaos.slow_link[1]=3 names no process"),
+    (["chaos.hang_at_step=3", "chaos.hang_process=1"], "chaos.hang_process=1 names no process"),
+    (["chaos.crash_process=1"], "chaos.crash_process=1 names no process"),
     (["mesh.rules={lenght: data}"], "unknown logical axis 'lenght'; did you mean 'length'?"),
     (["model.attention=pallas", "mesh.data=2", "mesh.fsdp=4", "mesh.rules={length: fsdp}"],
      "each shard would attend only within its chunk"),

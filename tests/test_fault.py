@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain.config import FaultConfig
-from jaxtrain.watchdog import Watchdog
+from jaxtrain.watchdog import LINGER_S, Watchdog
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs/tiny.yaml")
@@ -64,6 +64,14 @@ def test_idle_has_no_deadline_and_zero_turns_it_off(tmp_path):
     w.stop()
     off = watchdog(tmp_path, hang_timeout_s=0)
     assert w.fired == [] and not off.enabled and off.start()._thread is None
+
+
+def test_progress_is_shared_every_few_seconds_whatever_the_deadlines(tmp_path):
+    """A peer that declares a hang lingers LINGER_S for the others to notice: with the default
+    (long) start-up and checkpoint deadlines, they must still look within that time."""
+    w = Watchdog(FaultConfig(), output_dir=str(tmp_path), process_index=0, process_count=2)
+    assert FaultConfig().checkpoint_timeout_s / 4 > LINGER_S  # the deadlines alone would not do it
+    assert w._publish_every_s <= LINGER_S / 2
 
 
 def test_stacks_are_dumped_for_every_thread(tmp_path):

@@ -131,6 +131,28 @@ def test_no_cross_process_call_on_ordinary_steps(tmp_path):
     assert saved == [5, 9, 12]  # the agreed time-based saves, then the final one
 
 
+def test_every_start_asks_for_the_latest_checkpoint_and_agrees_on_rollbacks(tmp_path, monkeypatch):
+    """The latest-step and rollback-log agreements are collective calls: every process must make
+    them on every start, whether or not it sees a checkpoints/ directory (formerly only a process
+    that saw it asked, and waited for an answer process 0 never gave)."""
+    import jax
+
+    from jaxtrain.checkpoint.checkpointer import Checkpointer
+    from jaxtrain.config import load_config
+    from jaxtrain.trainer import Trainer
+
+    asked = []
+    agree = Checkpointer.agree
+    monkeypatch.setattr(Checkpointer, "agree", lambda self, what, decide: asked.append(what) or agree(self, what, decide))
+    latest = Checkpointer.latest_step
+    monkeypatch.setattr(Checkpointer, "latest_step", lambda self, **kw: asked.append("latest") or latest(self, **kw))
+    cfg = load_config(TINY, [*SMALL, f"run.output_dir={tmp_path / 'run'}", "checkpoint.compilation_cache_dir=null"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.close()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # a fresh run: nothing on disk to look at
+    assert asked == ["rollbacks", "latest"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_fresh_start_with_a_late_process_takes_the_same_collective_path(tmp_path):

@@ -210,6 +210,10 @@ class Checkpointer:
         # process is named, and under this generation's keys so they are deleted with it.
         barrier(f"{self._keys()}/orbax/{key}", min(timeout_ms / 1000, self.timeout_s))
 
+    def agree(self, what: str, decide: Callable[[], str]) -> str:
+        """Process 0 runs `decide()` and every process returns its answer (see `_agree`)."""
+        return self._agree(what, decide)
+
     def _agree(self, what: str, decide: Callable[[], str]) -> str:
         """Process 0 runs `decide()`; every process gets its answer through the key-value store.
 
