@@ -49,6 +49,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from jaxtrain.paths import is_remote  # imports nothing heavy
+
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 COMPUTE_KINDS = ("matmul", "attention", "elementwise")
 WAIT_KINDS = ("host_wait", "idle")
@@ -88,7 +90,9 @@ class StepProfiler:
         if self.last is not None and total_steps is not None:
             self.last = min(self.last, total_steps)
         self.directory = directory
-        self.enabled = enabled and self.first is not None and "://" not in directory
+        # The profiler writes local files: a run directory in object storage gets no trace. A local
+        # path that merely contains "://" somewhere is still local (paths.is_remote is the one test).
+        self.enabled = enabled and self.first is not None and not is_remote(directory)
         self.active = False
         self._annotation = None
 
@@ -336,18 +340,35 @@ def find_trace(run_or_profile_dir: str | Path) -> Path:
 
 
 def read_events(trace_path: Path) -> list[_Event]:
-    """Op events from an xplane file, as `jax.profiler` wrote it.
-
-    CPU: the host plane's thunk events carry the stats hlo_op, hlo_module, device_ordinal and
-    run_id. GPU/TPU: a plane per device (/device:GPU:n); its "XLA Ops" line when present
-    (executions from its "XLA Modules" line), else the kernels on its stream lines that carry an
-    hlo_op stat (executions from a run_id stat, or found later from the gaps between steps).
-    """
+    """Op events from an xplane file, as `jax.profiler` wrote it (see `events_from_planes`)."""
     import jax
     data = jax.profiler.ProfileData.from_file(str(trace_path))
+    return events_from_planes(data.planes)
+
+
+_DEVICE_PLANE = re.compile(r"/device:[A-Z]+:(\d+)")
+
+
+def events_from_planes(planes: Iterable[Any]) -> list[_Event]:
+    """Op events from the planes of a trace (`jax.profiler.ProfileData(...).planes`, or look-alikes
+    with `.name`, `.lines`; lines with `.name`, `.events`; events with `.start_ns`, `.end_ns`,
+    `.name`, `.stats` as (name, value) pairs).
+
+    CPU: there is no device plane; the host plane's thunk events carry the stats hlo_op,
+    hlo_module, device_ordinal and run_id, and they are the ops.
+    GPU/TPU: a plane per device (/device:GPU:n); its "XLA Ops" line when present (executions from
+    its "XLA Modules" line), else the kernels on its stream lines that carry an hlo_op stat
+    (executions from a run_id stat, or found later from the gaps between steps). When any device
+    plane exists, the host plane's events are not ops: on a GPU the host threads that launch the
+    kernels may carry hlo_op and device_ordinal stats too, and counting them beside the kernels
+    would count each op twice (once at launch time on the host, once when it ran on the device)
+    and fill the device's host wait and idle with launch time.
+    """
+    planes = list(planes)
+    has_device_planes = any(_DEVICE_PLANE.match(plane.name) for plane in planes)
     events: list[_Event] = []
-    for plane in data.planes:
-        device_plane = re.match(r"/device:[A-Z]+:(\d+)", plane.name)
+    for plane in planes:
+        device_plane = _DEVICE_PLANE.match(plane.name)
         if device_plane:
             device = int(device_plane.group(1))
             lines = {line.name: line for line in plane.lines}
@@ -366,7 +387,7 @@ def read_events(trace_path: Path) -> list[_Event]:
                         module, run = str(stats.get("hlo_module", "?")), stats.get("run_id", -1)
                     events.append(_Event(e.start_ns, e.end_ns, str(stats.get("hlo_op", e.name)), module, run, device,
                                          (plane.name, line.name)))
-        elif plane.name.startswith("/host:"):
+        elif plane.name.startswith("/host:") and not has_device_planes:
             for line in plane.lines:
                 for e in line.events:
                     stats = dict(e.stats)
@@ -438,6 +459,23 @@ def summarize(run_dir: str | Path, top: int = 15) -> dict:
     devices = sorted({e.device for e in events})
     hlo_path = profile_dir / HLO_FILE
     hlo = parse_hlo(hlo_path.read_text(), len(devices)) if hlo_path.exists() else {}
+    split = summarize_events(events, hlo, meta, top=top)
+    return {"trace": str(trace), "hlo": str(hlo_path) if hlo else None, **split}
+
+
+def summarize_events(events: list[_Event], hlo: dict[str, HloOp], meta: dict, top: int = 15) -> dict:
+    """The split of `summarize`, from op events already read (no files: unit tests feed it
+    synthetic events).
+
+    Args:
+      events: op events of the trace (`read_events`), any modules and executions.
+      hlo: instruction name -> HloOp of the train step (`parse_hlo`); empty: ops classified by name.
+      meta: profile.json (`steps` [first, last] tells how many executions to cut a trace without
+        run ids into).
+      top: how many of the most expensive ops to list.
+    Returns the dict of `summarize` without "trace" and "hlo".
+    """
+    devices = sorted({e.device for e in events})
 
     # The train step is the module with the most op time (evaluation or tiny helper jits are not).
     module_time: dict[str, float] = defaultdict(float)
@@ -552,7 +590,7 @@ def summarize(run_dir: str | Path, top: int = 15) -> dict:
                 "count_per_step": op_count[op] / n,
                 "scope": hlo[op].scope if op in hlo else ""} for op, t in ranked]
     return {
-        "trace": str(trace), "hlo": str(hlo_path) if hlo else None, "module": module, "steps": steps,
+        "module": module, "steps": steps,
         "devices": len(devices), "platform": meta.get("platform"), "profiled_steps": meta.get("steps"),
         "step_time_s": step_time, "parts_s": parts_s,
         "compute_s": sum(parts_s[k] for k in COMPUTE_KINDS),
