@@ -118,6 +118,31 @@ def last_known_step(output_dir: str | Path | None) -> int:
     return max(_last_step_in(Path(output_dir) / "metrics.jsonl"), _last_step_in(Path(output_dir) / "events.jsonl"))
 
 
+def _event_lines(output_dir: str | Path | None) -> list[str]:
+    if output_dir is None or is_remote(output_dir) or not (Path(output_dir) / "events.jsonl").exists():
+        return []
+    return (Path(output_dir) / "events.jsonl").read_text().splitlines()
+
+
+def blamed_process(output_dir: str | Path | None, since_line: int) -> int | None:
+    """The one process the run's own events blame for an exit 75, from line `since_line` on.
+
+    A `hang` event names the processes furthest behind (`behind`), a failed preflight the slow
+    ones (`named`); exactly one is evidence against its node. None when no event blames, when it
+    blames several, or when the run directory is remote (the launcher reads local files only).
+    """
+    for line in _event_lines(output_dir)[since_line:]:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        blamed = event.get("behind") if event.get("kind") == "hang" else (
+            event.get("named") if event.get("kind") == "preflight_failed" else None)
+        if blamed is not None:
+            return blamed[0] if len(blamed) == 1 else None
+    return None
+
+
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL it if the launcher dies (Linux only).
 
@@ -341,6 +366,7 @@ class Supervisor:
 
     def _start(self, attempt: int, port: int) -> None:
         self._procs, self._threads, self._exit_order = [], [], []
+        self._events_at_start = len(_event_lines(self.output_dir))  # this attempt's events come after
         for i in range(self.num_processes):
             env = {**self.env,
                    "JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}",
@@ -485,12 +511,15 @@ class Supervisor:
             if code == EXIT_USAGE:
                 self.say(f"{reason} (user error): stopped the others; not restarting")
                 return EXIT_USAGE
-            slot = self.slots[proc]
-            failures = self._count_failure(slot, code)
+            slot = suspect = self.slots[proc]
+            if code == EXIT_RESTART:  # a decision, not a crash: blame only whom the run's events name
+                blamed = blamed_process(self.output_dir, self._events_at_start)
+                suspect = self.slots[blamed] if blamed is not None and blamed < len(self.slots) else None
+            failures = self._count_failure(suspect)
             if attempt >= self.max_restarts:
                 self.say(f"{reason}; no restarts left (--max-restarts {self.max_restarts}): giving up")
                 return code if code > 0 else 128 - code
-            if self.isolate_after and failures >= self.isolate_after and not self._isolate(slot, failures):
+            if self.isolate_after and failures >= self.isolate_after and not self._isolate(suspect, failures):
                 return code if code > 0 else 128 - code  # no smaller job exists: the original failure stands
             attempt += 1
             append_event(self.output_dir, "restart", last_known_step(self.output_dir), attempt=attempt,
@@ -501,13 +530,14 @@ class Supervisor:
 
     # -- isolation
 
-    def _count_failure(self, slot: int, code: int) -> int:
+    def _count_failure(self, slot: int | None) -> int:
         """Record that `slot` failed first in this attempt; returns how many attempts in a row it has.
 
-        Exit 75 ("restart me": preempted, hang, rollback budget) is a decision the process took, not
-        evidence against its node: it breaks the streak instead of extending it.
+        None: nobody is to blame. Exit 75 ("restart me": preempted, rollback budget) is a decision
+        the process took, not evidence against its node, so it breaks the streak, unless the run's
+        events name one process: the one a hang left furthest behind, or the one a preflight named.
         """
-        if code == EXIT_RESTART:
+        if slot is None:
             self._streak = (None, 0)
             return 0
         previous, count = self._streak

@@ -214,6 +214,35 @@ def test_only_the_same_slot_failing_in_a_row_counts(tmp_path):
     assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["restart"] * 3
 
 
+def test_a_slot_that_hangs_at_every_attempt_is_isolated_by_the_hang_events(tmp_path):
+    """Exit 75 alone is no evidence, but a `hang` event that finds one process furthest behind is:
+    slot 1 hangs on every attempt (both processes exit 75, the way the watchdog stops a job), and
+    is isolated after two; a 75 whose events blame several processes (or none) blames nobody."""
+    events = tmp_path / "events.jsonl"
+    code, out, err = supervise(fake(f"""
+        import json
+        if N == 2:
+            if PID == 0:  # the hang event, as the watchdog writes it
+                with open({str(events)!r}, "a") as f:
+                    f.write(json.dumps({{"kind": "hang", "process": 0, "behind": [1]}}) + "\\n")
+            sys.exit(75)
+        print('slot', SLOT, 'of', N)
+    """), num_processes=2, output_dir=tmp_path, max_restarts=3, isolate_after=2, plan_isolation=shrink_by_one)
+    assert code == 0, err
+    kinds = [(e["kind"], e.get("slot")) for e in read_jsonl(events) if e["kind"] != "hang"]
+    assert kinds == [("restart", kinds[0][1]), ("isolate", 1), ("restart", kinds[2][1])], kinds
+    assert out.splitlines() == ["[p0] slot 0 of 1"]
+    code, _, err = supervise(fake(f"""
+        import json
+        if ATTEMPT < 3:
+            if PID == 0:
+                with open({str(tmp_path / "b" / "events.jsonl")!r}, "a") as f:
+                    f.write(json.dumps({{"kind": "hang", "process": 0, "behind": [0, 1]}}) + "\\n")
+            sys.exit(75)
+    """), num_processes=2, output_dir=tmp_path / "b", max_restarts=3, isolate_after=2, plan_isolation=shrink_by_one)
+    assert code == 0 and "isolat" not in err, err
+
+
 def test_isolate_after_needs_enough_restarts():
     with pytest.raises(ConfigError, match="--max-restarts >= 3"):
         Supervisor(["true"], 2, max_restarts=2, isolate_after=3, plan_isolation=shrink_by_one)

@@ -181,14 +181,11 @@ exit 137
 """
 
 
-@pytest.mark.parametrize("platform, devices, plan", [
-    ("cpu", ["--cpu-devices", "2"], "mesh.data=-1 train.grad_accum=2"),  # 2 x 2 devices -> 1 x 2, batch 8
-    ("gpu", [], "mesh.data=-1 train.grad_accum=2"),  # 2 nodes x 8 GPUs -> 1 x 8, batch 16 (configs/tiny.yaml)
-])
-def test_a_node_failing_first_twice_is_left_out_of_the_allocation(tmp_path, platform, devices, plan):
+def fake_slurm(tmp_path: Path, srun: str) -> dict[str, str]:
+    """The environment of a 2-node allocation whose srun, squeue and scontrol are stand-ins that log."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": FAKE_SRUN, "squeue": "#!/bin/bash\necho 10:00:00\n",
+    for name, body in {"srun": srun, "squeue": "#!/bin/bash\necho 10:00:00\n",
                        "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$FAKE_LOG"\n'}.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
@@ -197,6 +194,15 @@ def test_a_node_failing_first_twice_is_left_out_of_the_allocation(tmp_path, plat
                 "PYTHONPATH": os.pathsep.join(sys.path), "FAKE_LOG": str(tmp_path / "log"),
                 "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2",
                 "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_SUBMIT_DIR": str(tmp_path), "ISOLATE_AFTER": "2"})
+    return env
+
+
+@pytest.mark.parametrize("platform, devices, plan", [
+    ("cpu", ["--cpu-devices", "2"], "mesh.data=-1 train.grad_accum=2"),  # 2 x 2 devices -> 1 x 2, batch 8
+    ("gpu", [], "mesh.data=-1 train.grad_accum=2"),  # 2 nodes x 8 GPUs -> 1 x 8, batch 16 (configs/tiny.yaml)
+])
+def test_a_node_failing_first_twice_is_left_out_of_the_allocation(tmp_path, platform, devices, plan):
+    env = fake_slurm(tmp_path, FAKE_SRUN)
     env.update({"JAX_PLATFORMS": "cpu"} if platform == "cpu" else {"SLURM_GPUS_ON_NODE": "8"})
     overrides = ["data.global_batch_size=8"] if platform == "cpu" else []
     r = subprocess.run(["bash", str(SBATCH), str(TINY), *overrides, *devices], cwd=tmp_path, env=env,
@@ -213,3 +219,18 @@ def test_a_node_failing_first_twice_is_left_out_of_the_allocation(tmp_path, plat
         assert all("JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7" in e and "latency_hiding" in e for e in env_lines)
     else:
         assert all("JAX_LOCAL_DEVICE_IDS= " in e and "xla_gpu" not in e for e in env_lines)
+
+
+def test_a_requeued_job_keeps_its_isolated_node_out_of_the_new_allocation(tmp_path):
+    # node-b crashes twice and is isolated; on the node left, the step then fails for another reason
+    # with no step restarts left: the job is requeued, and the requeued job must exclude node-b.
+    env = fake_slurm(tmp_path, FAKE_SRUN.replace('"$JAXTRAIN_EXITS"; exit 0', '"$JAXTRAIN_EXITS"; exit 1')
+                     .replace('node-a 0" >>', 'node-a 1" >>'))
+    env.update({"JAX_PLATFORMS": "cpu", "STEP_RESTARTS": "1", "MAX_REQUEUES": "1"})
+    r = subprocess.run(["bash", str(SBATCH), str(TINY), "data.global_batch_size=8", "--cpu-devices", "2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "isolating node node-b" in r.stdout and "requeueing (requeue 1 of 1)" in r.stdout
+    calls = [line for line in (tmp_path / "log").read_text().splitlines() if line.startswith("scontrol ")]
+    assert [c for c in calls if "show job" not in c][-2:] == [
+        "scontrol requeue 4242", "scontrol update JobId=4242 ExcNodeList=node-b"], calls
