@@ -15,6 +15,7 @@ from etils import epath
 
 from jaxtrain.arguments import Parser
 from jaxtrain.config import ConfigError
+from jaxtrain.exit_codes import EXIT_USAGE
 from jaxtrain.paths import is_remote
 from jaxtrain.storage import check_access, filesystem
 
@@ -217,13 +218,13 @@ def main(argv: list[str]) -> int:
         check_access(args.directory, key="DIR")
     except ConfigError as e:
         print(f"jaxtrain checkpoints: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     root = to_path(args.directory)
     if (root / "checkpoints").exists():
         root = root / "checkpoints"
     elif not root.exists():
         print(f"jaxtrain checkpoints: '{args.directory}' does not exist", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     rows = list_checkpoints(os.fspath(root))
     if args.json:
         for r in rows:
