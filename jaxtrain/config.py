@@ -59,6 +59,20 @@ class OptimConfig:
     grad_clip_norm: float = 1.0  # global-norm clipping threshold (0 = off)
 
 
+DEFAULT_RULES: dict = {
+    "batch": ["data", "stage", "fsdp"],  # outside the pipeline stage devices split the batch too
+    "length": None,
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "layers": "stage",  # the stacked layers: pipeline stages split them (jaxtrain/pipeline.py)
+    "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = -1  # data-parallel replicas (-1 = the devices left over)
@@ -68,19 +82,12 @@ class MeshConfig:
     dcn_data: int = 1  # of `data`, how many replicas span hosts (slow network); multi-host only
     dcn_fsdp: int = 1  # of `fsdp`, how many shards span hosts; multi-host only
     # logical axis -> mesh axis (or list of mesh axes, or null = replicated). This one table
-    # decides every parameter and activation sharding in the model.
-    rules: dict = dataclasses.field(default_factory=lambda: {
-        "batch": ["data", "stage", "fsdp"],  # outside the pipeline stage devices split the batch too
-        "length": None,
-        "embed": "fsdp",
-        "vocab": "tensor",
-        "mlp": "tensor",
-        "heads": "tensor",
-        "kv_heads": "tensor",
-        "head_dim": None,
-        "layers": "stage",  # the stacked layers: pipeline stages split them (jaxtrain/pipeline.py)
-        "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
-    })
+    # decides every parameter and activation sharding in the model. A partial table (YAML, an
+    # override, or MeshConfig(rules=...) in Python) overrides its entries of DEFAULT_RULES only.
+    rules: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", {**DEFAULT_RULES, **self.rules})
 
 
 @dataclasses.dataclass(frozen=True)

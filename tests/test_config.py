@@ -61,6 +61,7 @@ def test_overrides_and_types():
     # A partial rules table overrides its entries and keeps the other defaults.
     assert cfg.mesh.rules == {**MeshConfig().rules, "batch": "data"}
     assert load_config(None, ["mesh.rules={mlp: null}"]).mesh.rules["heads"] == "tensor"
+    assert MeshConfig(rules={"batch": "data"}).rules == {**MeshConfig().rules, "batch": "data"}  # Python callers too
 
 
 @pytest.mark.parametrize("overrides, message", [
