@@ -56,6 +56,24 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
+def applied_learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:
+    """The learning rate this step's update uses: the schedule at the optimizer's own count.
+
+    optax's schedule (`ScaleByScheduleState.count`) counts applied updates, not train steps: a
+    skipped step keeps the old optimizer state, count included, so after k skipped steps step N
+    uses schedule(N - 1 - k), not schedule(N - 1). Reporting the train step's value would show a
+    rate that no update used.
+
+    Raises:
+      ValueError: the optimizer state holds no schedule count, or more than one.
+    """
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    counts = [s.count for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+    if len(counts) != 1:
+        raise ValueError(f"expected one ScaleByScheduleState in the optimizer state, found {len(counts)}")
+    return schedule(counts[0])
+
+
 def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-token cross-entropy and log-partition (logsumexp of the logits), both in fp32.
 
@@ -166,7 +184,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
                      "rng": advance_rng(state["rng"], state["step"]),
                      "loss_scale": update_loss_scale(cfg, state["loss_scale"], finite),
                      "stability": update_statistics(cfg, stats, loss, grad_norm, ~skip) if guard else stats}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": tokens,
+        # The rate this update used (the optimizer's count, which skipped steps do not advance).
+        learning_rate = applied_learning_rate(schedule, state["opt_state"])
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
                    "loss_scale": scale, "next_loss_scale": new_state["loss_scale"]["scale"],
                    "skipped": skip, "nonfinite": ~finite, "spike": spike_flag, "loss_z": spike["loss_z"],
                    "grad_norm_z": spike["grad_norm_z"], "z_loss": z / denom,

@@ -3,6 +3,7 @@ detection and automatic rollback (jaxtrain/precision.py, jaxtrain/stability.py).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -13,9 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.extend import core as jax_core
 
 from jaxtrain.checkpoint import Checkpointer, list_checkpoints
+from jaxtrain.checkpoint.layout import MARKER
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain.model import Transformer
+from jaxtrain.precision import compute_dtype
+from jaxtrain.step import learning_rate_schedule, loss_sum
 from jaxtrain.trainer import Trainer
 from trees import assert_trees_equal, named_leaves
 
@@ -54,6 +61,49 @@ def test_bf16_keeps_fp32_parameters_and_optimizer_state_and_follows_fp32(tmp_pat
     assert not np.array_equal(curves["bf16"], curves["fp32"])  # and bf16 really computed in bf16
 
 
+def equations(jaxpr: jax_core.Jaxpr) -> list[jax_core.JaxprEqn]:
+    """Every equation of a jaxpr, those nested in scans, jits and custom-gradient calls included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    out += equations(sub.jaxpr)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    out += equations(sub)
+    return out
+
+
+def test_bf16_computes_norms_softmax_logits_and_loss_in_fp32():
+    """Read off the loss function's jaxpr under bf16: the layers' matmuls run in bf16, while every
+    reduction and transcendental (RMSNorm's mean and rsqrt, the attention softmax, the loss's
+    logsumexp) runs in fp32, and the two matmuls that feed a softmax (attention scores and logits)
+    take bf16 operands but produce fp32."""
+    V, L = 72, 32  # a vocab size no other dimension has: a matmul whose output ends in V makes logits
+    cfg = load_config(TINY, [*SMALL, "precision.policy=bf16", f"model.vocab_size={V}"])
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), dtype=compute_dtype(cfg)))
+    graphdef, params = nnx.split(abstract)
+    batch = {k: jax.ShapeDtypeStruct((8, L), jnp.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    batch["loss_mask"] = jax.ShapeDtypeStruct((8, L), jnp.float32)
+    closed = jax.make_jaxpr(lambda p, b: loss_sum(p, graphdef, b))(nnx.to_pure_dict(params), batch)
+    eqns = equations(closed.jaxpr)
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+    fp32_ops = ("rsqrt", "exp", "log", "reduce_max", "reduce_sum")
+    assert {e.primitive.name for e in eqns} >= set(fp32_ops)
+    for e in eqns:
+        if e.primitive.name in fp32_ops:
+            assert {v.aval.dtype for v in (*e.invars, *e.outvars)} == {f32}, e
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert all({v.aval.dtype for v in e.invars} == {bf16} for e in dots)  # every matmul runs in bf16 ...
+    assert any(e.outvars[0].aval.dtype == bf16 for e in dots)  # ... the projections of the layers in bf16 out ...
+    softmax_inputs = [e for e in dots if e.outvars[0].aval.shape[-1] in (V, L)]  # ... logits, attention scores ...
+    assert {e.outvars[0].aval.shape[-1] for e in softmax_inputs} == {V, L}
+    assert all(e.outvars[0].aval.dtype == f32 for e in softmax_inputs)  # ... come out in fp32
+    assert [v.aval.dtype for v in closed.jaxpr.outvars] == [f32] * 4  # objective, cross-entropy, z-loss, tokens
+
+
 def test_fp16_scale_backs_off_on_overflow_and_grows_after_clean_steps(tmp_path):
     t = trainer(tmp_path, "precision.policy=fp16", "precision.loss_scale_init=64", "precision.growth_interval=4",
                 "chaos.nan_at_steps=[3]", "train.steps=12")
@@ -72,7 +122,8 @@ def test_fp16_with_injected_overflows_ends_within_2_percent_of_fp32(tmp_path):
     for policy, extra in (("fp32", []), ("fp16", ["chaos.nan_at_steps=[50,51,200]"])):
         cfg = load_config(TINY, [f"run.output_dir={tmp_path / policy}", "checkpoint.compilation_cache_dir=null",
                                  f"precision.policy={policy}", "train.log_every=1", *extra])
-        t = Trainer(cfg, devices=jax.devices()[:1])
+        console = io.StringIO()
+        t = Trainer(cfg, console=console, devices=jax.devices()[:1])
         t.fit()
         t.close()
         metrics = read_jsonl(tmp_path / policy / "metrics.jsonl")
@@ -80,8 +131,14 @@ def test_fp16_with_injected_overflows_ends_within_2_percent_of_fp32(tmp_path):
         if policy == "fp16":
             skipped = {m["step"] for m in metrics if m["skipped"]}
             assert {50, 51, 200} <= skipped
-            done = read_jsonl(tmp_path / policy / "events.jsonl")[-1]
+            events = read_jsonl(tmp_path / policy / "events.jsonl")
+            drills = [(e["step"], e["drill"]) for e in events if e["kind"] == "chaos"]
+            assert drills == [(50, "nan"), (51, "nan"), (200, "nan")]
+            assert {e["step"] for e in events if e["kind"] == "nonfinite_skipped"} == skipped  # overflows too
+            done = events[-1]
             assert done["kind"] == "done" and done["skipped_steps"] == len(skipped)
+            last_line = [line for line in console.getvalue().splitlines() if line.startswith("step ")][-1]
+            assert last_line.endswith(f"  skipped {len(skipped)}"), last_line
     assert abs(finals["fp16"] - finals["fp32"]) <= 0.02 * finals["fp32"], finals
 
 
@@ -104,6 +161,13 @@ def test_nonfinite_step_keeps_state_and_statistics_and_causes_no_false_spikes(tm
     assert after["step"] == before["step"] + 1
     flagged = [t.step() for _ in range(15)]
     assert not any(r["spike"] or r["skipped"] for r in flagged)  # one NaN poisons nothing after it
+    # The learning rate reported is the one the update used: the schedule at the optimizer's own count,
+    # which the skipped step did not advance (step N after one skip: count N - 2, not N - 1).
+    schedule = learning_rate_schedule(t.cfg)
+    for r in [record, *flagged]:
+        count = r["step"] - 1 - (r["skipped_steps"] - r["skipped"])  # steps applied before this one
+        assert r["learning_rate"] == pytest.approx(float(schedule(count)), rel=1e-6), r["step"]
+        assert r["learning_rate"] != pytest.approx(float(schedule(count + 1)), rel=1e-4), r["step"]
 
 
 def test_a_skipped_spike_equals_never_seeing_that_batch(tmp_path):
@@ -151,10 +215,16 @@ def test_z_loss_is_added_and_reported(tmp_path):
 # ----------------------------------------------------------------------------- rollback
 
 
+# Spikes at steps 29, 31, 33 (batches 28, 30, 32) with a checkpoint every 10 steps: the rollback at 33
+# goes back to step 20 (the last checkpoint before the first spike), discarding the committed step-30
+# checkpoint, and skips batches 20..34, past every bad one. The NaN at step 12 is one skipped step that
+# every later checkpoint carries (skipped_steps 1 in the progress line and the done event). Saves are
+# synchronous, so what a kill leaves committed does not depend on timing.
 ROLLBACK = ["train.steps=60", "train.log_every=1", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
+            "checkpoint.async_save=false",
             "stability.min_history=5", "stability.window=20", "stability.spike_threshold=5",
-            "stability.max_spikes=3", "stability.skip_batches=5", "chaos.spike_at_steps=[33,34,35]",
-            "chaos.spike_factor=50"]
+            "stability.max_spikes=3", "stability.skip_batches=15", "chaos.spike_at_steps=[29,31,33]",
+            "chaos.spike_factor=50", "chaos.nan_at_steps=[12]"]
 
 
 def train(out: Path, *extra: str, attempt: int = 0) -> subprocess.CompletedProcess:
@@ -164,42 +234,97 @@ def train(out: Path, *extra: str, attempt: int = 0) -> subprocess.CompletedProce
                           timeout=600, env=env)
 
 
+def progress_lines(stdout: str) -> dict[int, str]:
+    """The progress line of each step printed (`step N  loss ...`); a step printed twice: the later."""
+    return {int(line.split()[1]): line for line in stdout.splitlines() if line.startswith("step ")}
+
+
 @pytest.mark.slow
 def test_persistent_spikes_roll_back_once_skip_the_bad_batches_and_survive_a_restart(tmp_path):
     out = tmp_path / "run"
-    # First attempt: spikes at 33, 34, 35 -> one rollback to the step-30 checkpoint, 5 batches skipped;
-    # then the process is killed at step 38, before any newer checkpoint exists.
+    # First attempt: spikes at 29, 31, 33 -> one rollback to the step-20 checkpoint, discarding the
+    # step-30 one, 15 batches skipped; training goes on from 20, saves a new step-30 checkpoint and
+    # is killed at step 38.
     killed = train(out, "chaos.kill_at_step=38")
     assert killed.returncode == -9, killed.stderr[-3000:]
     events = read_jsonl(out / "events.jsonl")
     rollbacks = [e for e in events if e["kind"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["to_step"] == 30 and rollbacks[0]["spike_steps"] == [33, 34, 35]
-    assert rollbacks[0]["batches_skipped"] == 5
+    assert len(rollbacks) == 1, rollbacks
+    rollback = rollbacks[0]
+    assert (rollback["from_step"], rollback["to_step"], rollback["spike_steps"]) == (33, 20, [29, 31, 33])
+    assert rollback["batches_skipped"] == 15 and rollback["discarded_checkpoints"] == [30]
+    # Every drill is in events.jsonl, and so is what the guard made of it (the NaN: skipped; the spikes).
+    drills = [(e["step"], e["drill"], e.get("batch")) for e in events if e["kind"] == "chaos"]
+    assert drills == [(12, "nan", 11), (29, "spike", 28), (31, "spike", 30), (33, "spike", 32), (38, "kill", None)]
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_skipped"] == [12]
+    spikes = [e for e in events if e["kind"] == "spike"]
+    assert [e["step"] for e in spikes] == [29, 31, 33] and all(e["loss_z"] > 5 and not e["skipped"] for e in spikes)
+    # The pre-rollback step-30 checkpoint is gone: the only step 30 listed was committed after the rollback.
+    listed = {c["step"]: c for c in list_checkpoints(str(out / "checkpoints")) if c["valid"]}
+    assert sorted(listed) == [10, 20, 30], listed
+    assert json.loads((Path(listed[30]["path"]) / MARKER).read_text())["unix_time"] > rollback["time"]
     first_pass = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}  # later lines win
+    lines = progress_lines(killed.stdout)
+    assert "skipped" not in lines[11] and lines[12].endswith("  skipped 1") and lines[37].endswith("  skipped 1")
 
-    # The restart resumes from step 30 (the last checkpoint), skips the same batches again without
-    # being told, meets no spike, and finishes.
+    # The restart resumes from the new step-30 checkpoint, draws none of the bad batches again (the
+    # data position it restores is already past them), meets no spike, and finishes.
     resumed = train(out, "chaos.kill_at_step=38", attempt=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     events = read_jsonl(out / "events.jsonl")
+    second = events[max(i for i, e in enumerate(events) if e["kind"] == "start"):]  # the restart's events
     assert [e["kind"] for e in events].count("rollback") == 1  # no second rollback
-    assert next(e for e in events if e["kind"] == "resume")["restored_step"] == 30
+    assert next(e for e in second if e["kind"] == "resume")["restored_step"] == 30
+    assert not any(e["kind"] in ("chaos", "spike", "nonfinite_skipped") for e in second), second
+    assert (second[-1]["kind"], second[-1]["skipped_steps"], second[-1]["rollbacks"]) == ("done", 1, 1)
+    lines = progress_lines(resumed.stdout)
+    assert sorted(lines) == list(range(31, 61)) and all(line.endswith("  skipped 1") for line in lines.values())
     metrics = read_jsonl(out / "metrics.jsonl")
     after_restart = {m["step"]: m["loss"] for m in metrics}  # later lines win: the second attempt's
     for step in range(31, 38):  # (38 was killed before it was logged) the same batches, the same losses
         assert after_restart[step] == first_pass[step], step
     assert not any(m["spike"] for m in metrics[-30:])  # the second attempt's steps 31..60
-    # The data moved on by exactly skip_batches, and every committed checkpoint is finite.
+    # Every committed checkpoint is finite, and its data position is its step, plus the 15 skipped
+    # batches after the rollback's target (the step-30 one included: the discarded one had 30).
     checkpoints = Checkpointer(str(out / "checkpoints"), load_config(out / "config.yaml").checkpoint)
     cfg = load_config(out / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
     abstract = Trainer(cfg, write_files=False, devices=jax.devices()[:1]).abstract_state()
     good = [c["step"] for c in list_checkpoints(str(out / "checkpoints")) if c["valid"]]
-    assert good[-1] == 60
+    assert good == [10, 20, 30, 40, 50, 60]
     for step in good:
         state, extra = checkpoints.restore(step, abstract)
         assert all(np.isfinite(v).all() for v in named_leaves(state).values() if v.dtype.kind == "f"), step
-        if step == 60:
-            assert extra["data"]["index"] == 60 + 5
+        assert extra["data"]["index"] == step + (15 if step > 20 else 0), step
+
+
+class Died(Exception):
+    """Stands for the process dying at that point."""
+
+
+def test_a_rollback_that_died_before_discarding_is_completed_at_the_next_start(tmp_path):
+    """The process dies after recording the rollback (rollbacks.json) but before discarding the
+    step-30 checkpoint; the next start discards it, resumes from the target and skips the same batches."""
+    t = trainer(tmp_path, *ROLLBACK, write_files=True)
+
+    def die(step: int, committed_before: float | None = None) -> list[int]:
+        raise Died(f"discard_after({step})")
+
+    t.checkpointer.discard_after = die  # the rollback at step 33 dies here
+    with pytest.raises(Died, match=r"discard_after\(20\)"):
+        t.fit()
+    t.close()
+    assert [c["step"] for c in list_checkpoints(str(tmp_path / "checkpoints")) if c["valid"]] == [10, 20, 30]
+    recorded = json.loads((tmp_path / "checkpoints/rollbacks.json").read_text())["rollbacks"]
+    assert [r["to_step"] for r in recorded] == [20]
+
+    restarted = trainer(tmp_path, *ROLLBACK, write_files=True)
+    try:
+        assert [c["step"] for c in list_checkpoints(str(tmp_path / "checkpoints")) if c["valid"]] == [10, 20]
+        assert restarted.resumed_from == 20 and restarted.data.position == 20
+        record = restarted.step()  # step 21 draws batch 35: batches 20..34 (the bad 28, 30, 32 among them) skipped
+        assert restarted.data.position == 20 + 15 + 1 and not record["spike"]
+    finally:
+        restarted.close()
 
 
 @pytest.mark.slow
