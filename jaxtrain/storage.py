@@ -7,8 +7,9 @@ into the run directory, an event or a log line:
          emulators: STORAGE_EMULATOR_HOST (gcsfs: small files, listing) and
          TENSORSTORE_GCS_HTTP_URL (tensorstore: the arrays).
   s3://  credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or AWS_PROFILE /
-         an instance or task role; region: AWS_REGION or AWS_DEFAULT_REGION; S3-compatible stores
-         (MinIO, Ceph, moto): AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL.
+         an instance or task role; region: AWS_REGION or AWS_DEFAULT_REGION, else the bucket's own
+         region as the server reports it; S3-compatible stores (MinIO, Ceph, moto):
+         AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL.
 
 Small files (metrics.jsonl, events.jsonl, TensorBoard event files) cannot be appended to on an
 object store, so `AppendOnlyFile` keeps the whole file in memory and rewrites the object: in
@@ -51,21 +52,28 @@ def s3_endpoint() -> Optional[str]:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def s3_region() -> str:
-    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+def s3_region() -> Optional[str]:
+    """The region named by the environment (AWS_REGION, then AWS_DEFAULT_REGION), or None."""
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
 
 
 def s3_kvstore(url: str) -> dict:
     """Tensorstore kvstore spec for an s3:// URL, from the environment.
 
-    Tensorstore's `s3://` URL form does not read AWS_ENDPOINT_URL, so the endpoint and region are
-    spelled out. Credentials are never put in the spec: tensorstore reads them itself, from the
-    environment variables when they are set (its 'default' chain would also try ~/.aws files and
-    log an error line for each one missing), else through the default chain (profile, ECS, IMDS).
+    Tensorstore's `s3://` URL form does not read AWS_ENDPOINT_URL, so the endpoint is spelled out.
+    The region is put in the spec only when the environment names one: without `aws_region`,
+    tensorstore asks the server for the bucket's region (a HEAD on the bucket, read from the
+    `x-amz-bucket-region` header; with a custom endpoint it falls back to us-east-1 when the
+    server does not say). A guessed default would sign every request for the wrong region on AWS
+    when the bucket lives elsewhere, and the first save would fail.
+    Credentials are never put in the spec: tensorstore reads them itself, from the environment
+    variables when they are set (its 'default' chain would also try ~/.aws files and log an
+    error line for each one missing), else through the default chain (profile, ECS, IMDS).
     """
     _, bucket, key = split_url(url)
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else "",
-                            "aws_region": s3_region()}
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else ""}
+    if s3_region():
+        spec["aws_region"] = s3_region()
     if s3_endpoint():
         spec["endpoint"] = s3_endpoint()
     env = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
@@ -165,6 +173,15 @@ def read_bytes(path: str) -> bytes:
         return filesystem(path).cat_file(path)
     with open(path, "rb") as f:
         return f.read()
+
+
+def is_file(path: str) -> bool:
+    """True when a local file or an object exists at `path` (listings are read fresh)."""
+    if is_remote(path):
+        fs = filesystem(path)
+        fs.invalidate_cache()  # gcsfs/s3fs cache listings per process; another writer may have added it
+        return fs.isfile(path)
+    return os.path.isfile(path)
 
 
 def makedirs(path: str) -> None:

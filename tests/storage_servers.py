@@ -19,6 +19,15 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+# The credentials handed to the clients. The servers check none of them; they are distinctive so
+# that a test can scan everything a run writes (objects, local files, stderr) for each of them.
+SECRETS = {
+    "AWS_ACCESS_KEY_ID": "jaxtrain-fake-access-key-id",
+    "AWS_SECRET_ACCESS_KEY": "jaxtrain-fake-secret-access-key",
+    "AWS_SESSION_TOKEN": "jaxtrain-fake-session-token",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "jaxtrain-fake-gcs-token",
+}
+
 # gcp-storage-emulator serves object bytes without the `x-goog-generation` header that real GCS
 # sends; tensorstore's OCDBT reads its manifest's generation from it and fails ("Malformed
 # StorageGeneration") whenever the manifest already exists when it is opened. The server is
@@ -86,13 +95,14 @@ def storage_servers(log_dir: str | Path, buckets: list[str]) -> Iterator[dict]:
         # GCS: gcsfs reads STORAGE_EMULATOR_HOST, tensorstore TENSORSTORE_GCS_HTTP_URL (+ a test token);
         # the metadata server is pointed at a closed port so nothing waits for a real one.
         "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gcs}", "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{gcs}",
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "GCE_METADATA_HOST": "127.0.0.1:1",
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": SECRETS["GOOGLE_AUTH_TOKEN_FOR_TESTING"], "GCE_METADATA_HOST": "127.0.0.1:1",
         "GCE_METADATA_IP": "127.0.0.1:1", "GCE_METADATA_ROOT": "127.0.0.1:1",
         "FSSPEC_GCS_TOKEN": "anon",  # the emulator checks no token; skips gcsfs's 3 s credential search
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # its bucket-type lookup is a gRPC API the emulator lacks
         # S3: the same variables as for any S3-compatible store.
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3}", "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3}", "AWS_ACCESS_KEY_ID": SECRETS["AWS_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": SECRETS["AWS_SECRET_ACCESS_KEY"], "AWS_SESSION_TOKEN": SECRETS["AWS_SESSION_TOKEN"],
+        "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
         "AWS_SHARED_CREDENTIALS_FILE": str(log_dir / "none"), "AWS_CONFIG_FILE": str(log_dir / "none"),
     }
     procs = {name: subprocess.Popen(cmd, stdout=open(log_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT)

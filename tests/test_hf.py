@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jaxtrain import cli
 from jaxtrain.checkpoint import restore_params_only
 from jaxtrain.config import load_config
+from jaxtrain.hf import hf_tensors_from_params
 from jaxtrain.model import Transformer, rotary
 
 VOCAB = 96
@@ -35,18 +36,23 @@ VOCAB = 96
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 160))  # past original_max_position_embeddings
+# Neither jaxtrain's default norm_eps (1e-5) nor transformers' (1e-6, the importer's fallback when
+# the field is absent): a field that was not mapped would not go unnoticed.
+RMS_EPS = 3e-6
 TRAIN = ["model.attention=xla", "data.source=markov", "data.seq_len=32", "data.global_batch_size=8",
          "train.steps=3", "train.log_every=1", "optim.warmup_steps=0", "optim.learning_rate=0.01",
          "checkpoint.compilation_cache_dir=null"]
 
 
 def make_hf(path: Path, *, tied: bool = False, rope: dict | None = None, dtype: torch.dtype = torch.float32,
-            max_shard_size: str | None = None, seed: int = 0) -> Path:
-    """A random tiny GQA LlamaForCausalLM saved with save_pretrained (offline)."""
+            max_shard_size: str | None = None, seed: int = 0, head_dim: int | None = None) -> Path:
+    """A random tiny GQA LlamaForCausalLM saved with save_pretrained (offline). `head_dim`:
+    transformers' default is hidden_size // num_attention_heads (8)."""
+    extra = {"head_dim": head_dim} if head_dim else {}
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 5000.0})
+                         rms_norm_eps=RMS_EPS, tie_word_embeddings=tied,
+                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 5000.0}, **extra)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -67,17 +73,20 @@ def hf_logits(path: Path, tokens: np.ndarray = TOKENS) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.numpy()
 
 
-def jax_params(directory: Path, overrides: tuple[str, ...] = ()) -> tuple:
-    """(config, params on one device) of a jaxtrain run or import directory's latest checkpoint."""
+def jax_params(directory: Path, overrides: tuple[str, ...] = (), step: int | None = None) -> tuple:
+    """(config, params on one device) of a jaxtrain run or import directory's checkpoint `step`
+    (default: the latest good one)."""
     cfg = load_config(directory / "config.yaml", ["model.attention=xla", *overrides])
     abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
-    return cfg, restore_params_only(str(directory), abstract)
+    where = directory if step is None else directory / "checkpoints" / str(step)
+    return cfg, restore_params_only(str(where), abstract)
 
 
-def jax_logits(directory: Path, overrides: tuple[str, ...] = (), tokens: np.ndarray = TOKENS) -> np.ndarray:
-    cfg, params = jax_params(directory, overrides)
+def jax_logits(directory: Path, overrides: tuple[str, ...] = (), tokens: np.ndarray = TOKENS,
+               step: int | None = None) -> np.ndarray:
+    cfg, params = jax_params(directory, overrides, step)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
     return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens, jnp.int32)))
 
@@ -106,10 +115,13 @@ def plain(tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------------- import == transformers
 
 
-@pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "sharded-files"])
+@pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "sharded-files", "head-dim-16"])
 def test_import_gives_transformers_logits(variant, tmp_path, capsys):
+    # head-dim-16: heads * head_dim = 64 != hidden_size = 32: q/k/v project up to 64, o_proj back
+    # down to 32, and attention scales by 1/sqrt(16), not 1/sqrt(hidden_size / heads).
+    head_dim = 16 if variant == "head-dim-16" else None
     src = make_hf(tmp_path / "src", tied=variant == "tied", rope=LLAMA3 if variant == "llama3-rope" else None,
-                  max_shard_size="20KB" if variant == "sharded-files" else None)
+                  max_shard_size="20KB" if variant == "sharded-files" else None, head_dim=head_dim)
     if variant == "sharded-files":
         assert (src / "model.safetensors.index.json").is_file() and len(list(src.glob("*.safetensors"))) > 2
     out = tmp_path / "imported"
@@ -120,8 +132,15 @@ def test_import_gives_transformers_logits(variant, tmp_path, capsys):
     assert np.abs(expected).max() > 1.0  # logits large enough that a layout error could not hide
 
     cfg = load_config(out / "config.yaml")
-    assert (cfg.model.tie_embeddings, cfg.model.num_kv_heads, cfg.model.head_dim) == (variant == "tied", 2, 8)
+    assert (cfg.model.tie_embeddings, cfg.model.num_kv_heads, cfg.model.head_dim) == (variant == "tied", 2,
+                                                                                       head_dim or 8)
+    assert cfg.model.norm_eps == RMS_EPS and cfg.model.rope_theta == (10000.0 if variant == "llama3-rope" else 5000.0)
     assert cfg.checkpoint.init_from == str(out)
+    if head_dim:  # and back: transformers loads the export with the same head_dim and logits
+        exported = tmp_path / "exported"
+        assert run_cli("export-hf", out, "--output", exported) == 0
+        assert json.loads((exported / "config.json").read_text())["head_dim"] == head_dim
+        np.testing.assert_array_equal(hf_logits(exported), expected)
     if variant == "llama3-rope":
         assert cfg.model.rope_scaling == "llama3" and cfg.model.rope_original_max_len == 64
         # The scaling matters here: without it the logits are clearly different.
@@ -185,6 +204,40 @@ def test_train_from_import_then_export_loads_in_transformers(mesh, tied, tmp_pat
     assert config["tie_word_embeddings"] is tied and ("lm_head.weight" in load_file(exported / "model.safetensors")) != tied
 
 
+def test_export_step_n_of_a_run_started_from_an_import_keeps_tokenizer_and_token_ids(plain, tmp_path, capsys):
+    """`--step N` exports checkpoint N, not the latest. The run was started from an import (its
+    config.yaml, so data.tokenizer points into the import dir; checkpoint.init_from at it): the
+    tokenizer files come through, and the source's token ids and dtype via the import's
+    hf_config.json, found through init_from."""
+    imported, run = tmp_path / "imported", tmp_path / "run"
+    assert run_cli("import-hf", plain, "--output", imported) == 0
+    assert run_cli("train", "--config", imported / "config.yaml", f"run.output_dir={run}", *TRAIN,
+                   "checkpoint.every_steps=2", "mesh.data=8") == 0  # checkpoints 2 and 3 (the end)
+    assert all((run / "checkpoints" / str(step) / "commit.json").is_file() for step in (2, 3))
+    capsys.readouterr()
+    step2, latest = tmp_path / "step2", tmp_path / "latest"
+    assert run_cli("export-hf", run, "--output", step2, "--step", "2") == 0
+    assert "export-hf: step 2 as fp32" in capsys.readouterr().out
+    assert run_cli("export-hf", run, "--output", latest) == 0
+    assert "export-hf: step 3 as fp32" in capsys.readouterr().out
+
+    cfg, params2 = jax_params(run, step=2)
+    expected = dict(hf_tensors_from_params(jax.device_get(params2), cfg.model))
+    got, newest = load_file(step2 / "model.safetensors"), load_file(latest / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, t in expected.items():
+        assert got[name].tobytes() == t.tobytes(), name
+    assert any(not np.array_equal(got[n], newest[n]) for n in got)  # step 2 is not step 3
+    np.testing.assert_allclose(hf_logits(step2), jax_logits(run, step=2), atol=1e-4, rtol=0)
+
+    for out in (step2, latest):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            assert (out / name).read_bytes() == (plain / name).read_bytes(), (out.name, name)
+        source, written = json.loads((plain / "config.json").read_text()), json.loads((out / "config.json").read_text())
+        for key in ("bos_token_id", "eos_token_id", "dtype"):
+            assert written[key] == source[key], key
+
+
 # ----------------------------------------------------------------------------- round trips
 
 
@@ -245,13 +298,17 @@ def test_bf16_source_upcasts_exactly_and_exports_the_same_bytes(tmp_path):
 
 
 def test_transformers_4_and_5_config_layouts_both_load(tmp_path):
-    src5 = make_hf(tmp_path / "v5", rope=LLAMA3)
+    # A theta that is neither the importer's fallback nor transformers' default (10000): a layout
+    # whose rope_theta was not read would import with the wrong rotary frequencies.
+    theta = 40000.0
+    rope = dict(LLAMA3, rope_theta=theta)
+    src5 = make_hf(tmp_path / "v5", rope=rope)
     hf5 = json.loads((src5 / "config.json").read_text())
     assert "rope_parameters" in hf5 and "rope_theta" not in hf5  # transformers 5 writes this layout
     # transformers 4.x layout, as Llama 3.1's own config.json: top-level rope_theta and rope_scaling.
     hf4 = {k: v for k, v in hf5.items() if k not in ("rope_parameters", "dtype")}
-    hf4.update(rope_theta=10000.0, torch_dtype="float32", rope_scaling={k: v for k, v in LLAMA3.items()
-                                                                         if k != "rope_theta"})
+    hf4.update(rope_theta=theta, torch_dtype="float32", rope_scaling={k: v for k, v in rope.items()
+                                                                       if k != "rope_theta"})
     src4 = tmp_path / "v4"
     shutil.copytree(src5, src4)
     (src4 / "config.json").write_text(json.dumps(hf4))
@@ -268,8 +325,11 @@ def test_transformers_4_and_5_config_layouts_both_load(tmp_path):
         models.append(load_config(out / "config.yaml").model)
         if src is not src_legacy:
             np.testing.assert_allclose(jax_logits(out), hf_logits(src), atol=1e-4, rtol=0)
-    assert models[0] == models[1]
+    assert models[0] == models[1] and models[1].rope_theta == theta and models[1].norm_eps == RMS_EPS
     assert models[2] == models[0].__class__(**{**models[0].__dict__, "max_seq_len": 64})
+    # The theta matters to these logits: at the fallback they are clearly different.
+    out4 = tmp_path / f"imported-{src4.name}"
+    assert np.abs(jax_logits(out4, ("model.rope_theta=10000.0",)) - hf_logits(src4)).max() > 1e-2
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -315,6 +375,13 @@ def test_unsupported_sources_are_refused_by_name(changes, field, plain, tmp_path
 def test_bad_inputs_and_outputs_exit_2_and_touch_nothing(plain, tmp_path, capsys):
     assert run_cli("import-hf", tmp_path / "missing", "--output", tmp_path / "a") == 2
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    # URLs: named as such (not "does not exist"), before any network access or local 'gs:' folder.
+    for args in (("import-hf", "gs://bucket/llama", "--output", tmp_path / "a"),
+                 ("import-hf", plain, "--output", "s3://bucket/imported")):
+        assert run_cli(*args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "is a URL; it must be a local directory" in err, err
+    assert not (tmp_path / "a").exists() and not Path("s3:").exists()
 
     extra = tmp_path / "extra"  # a tensor the model has no place for (a bias)
     shutil.copytree(plain, extra)
@@ -344,6 +411,9 @@ def test_bad_inputs_and_outputs_exit_2_and_touch_nothing(plain, tmp_path, capsys
     assert run_cli("export-hf", imported, "--output", taken) == 2
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
     capsys.readouterr()
+    assert run_cli("export-hf", imported, "--output", "gs://bucket/exported") == 2
+    assert "export-hf --output 'gs://bucket/exported' is a URL" in capsys.readouterr().err
+    assert not Path("gs:").exists()
     assert run_cli("export-hf", imported, "--output", tmp_path / "d", "--step", "7") == 2
     assert "good steps: 0" in capsys.readouterr().err and not (tmp_path / "d").exists()
     assert run_cli("export-hf", tmp_path / "missing", "--output", tmp_path / "e") == 2

@@ -1,35 +1,79 @@
-"""`jaxtrain export-hf RUN_DIR --output DST`: a run's parameters -> a Hugging Face Llama directory."""
+"""`jaxtrain export-hf RUN_DIR --output DST`: a run's parameters -> a Hugging Face Llama directory.
+
+RUN_DIR may be local or a gs:// / s3:// URL (a run trained into a bucket): config.yaml,
+hf_config.json and the tokenizer files are read as objects, the checkpoint through the same
+restore path as `checkpoint.init_from`. The output is always a local directory.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import posixpath
 import sys
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import yaml
 
-from jaxtrain.config import Config, ConfigError, load_config
-from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, writing,
-                               write_safetensors)
+from jaxtrain import storage
+from jaxtrain.config import Config, ConfigError, from_dict, load_config
+from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, refuse_url,
+                               writing, write_safetensors)
 from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors_from_params
+from jaxtrain.paths import is_remote, join
 
 
-def _find_up(start: Optional[str], name: str, levels: int = 3) -> Optional[Path]:
-    """The folder at or above `start` (a run dir, checkpoints/ or step folder) that holds `name`."""
+def _parent(folder: str) -> Optional[str]:
+    """The folder above a local path or a URL; None above a bucket's root or the filesystem root."""
+    if is_remote(folder):
+        scheme, bucket, key = storage.split_url(folder)
+        if not key:
+            return None
+        up = posixpath.dirname(key)
+        return f"{scheme}://{bucket}/{up}" if up else f"{scheme}://{bucket}"
+    up = os.path.dirname(folder)
+    return up if up != folder else None
+
+
+def _find_up(start: Optional[str], name: str, levels: int = 3, *, key: str = "checkpoint.init_from") -> Optional[str]:
+    """The folder at or above `start` (a run dir, checkpoints/ or step folder) that holds `name`,
+    local or in a bucket (whose access is checked first: `key` names the setting in the error)."""
     if not start:
         return None
-    p = Path(start).expanduser().absolute()
+    if is_remote(start):
+        storage.check_access(start, key=key)
+        folder: Optional[str] = start.rstrip("/")
+    else:
+        folder = os.path.abspath(os.path.expanduser(start))
     for _ in range(levels):
-        if (p / name).is_file():
-            return p
-        p = p.parent
+        if folder is None:
+            return None
+        if storage.is_file(join(folder, name)):
+            return folder
+        folder = _parent(folder)
     return None
 
 
-def _restore_params(run_dir: Path, cfg: Config, step: Optional[int]) -> tuple[dict, int]:
+def _load_run_config(run: str, where: str) -> Config:
+    """The run's config.yaml (a local file or an object), validated like `load_config`."""
+    path = join(run, "config.yaml")
+    if not storage.is_file(path):
+        raise ConfigError(f"export-hf: '{where}' has no config.yaml (expected a jaxtrain run directory)")
+    if not is_remote(path):
+        return load_config(path)
+    try:
+        data = yaml.safe_load(storage.read_bytes(path).decode())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    return from_dict(data)
+
+
+def _restore_params(run_dir: str, cfg: Config, step: Optional[int]) -> tuple[dict, int]:
     """The parameters of checkpoint `step` (default: latest good) as host fp32 arrays."""
     import jax
     from flax import nnx
@@ -38,7 +82,7 @@ def _restore_params(run_dir: Path, cfg: Config, step: Optional[int]) -> tuple[di
     from jaxtrain.checkpoint.layout import latest_good, scan, to_path
     from jaxtrain.model import Transformer
 
-    root = to_path(os.fspath(run_dir / "checkpoints"))
+    root = to_path(join(run_dir, "checkpoints"))
     if step is None:
         step = latest_good(root)
         if step is None:
@@ -65,8 +109,9 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
     """Write a run's parameters as a Hugging Face Llama directory.
 
     Args:
-      run_dir: a jaxtrain run directory (config.yaml + checkpoints/), or an import-hf directory.
-      output: new directory (must not exist, or be empty).
+      run_dir: a jaxtrain run directory (config.yaml + checkpoints/), or an import-hf directory;
+        local, or a gs:// / s3:// URL.
+      output: new local directory (must not exist, or be empty).
       step: checkpoint step to export (default: the latest good one).
       dtype: 'fp32', 'bf16' or 'fp16' (default: the imported source's dtype, else fp32).
       max_shard_size: above this many bytes the weights are split into shards with an index.
@@ -74,18 +119,22 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
       Summary: output, step, dtype, files, tokenizer (files copied).
     Raises:
       ConfigError: no config.yaml or usable checkpoint, a config that does not match the
-        checkpoint, an fp16 overflow, or an existing output. Nothing is written then.
+        checkpoint, an fp16 overflow, an existing or remote output, or a bucket that cannot be
+        read. Nothing is written then.
     """
-    run = Path(run_dir).expanduser().absolute()
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"export-hf: '{run_dir}' has no config.yaml (expected a jaxtrain run directory)")
-    cfg = load_config(run / "config.yaml")
+    refuse_url(output, "export-hf --output", "write it locally, then upload it if needed")
+    if is_remote(run_dir):
+        storage.check_access(run_dir, key="export-hf RUN_DIR")
+        run = run_dir.rstrip("/")
+    else:
+        run = os.path.abspath(os.path.expanduser(run_dir))
+    cfg = _load_run_config(run, run_dir)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
     # The imported source's config.json: here (an import dir) or where the run started from.
-    hf_home = _find_up(os.fspath(run), HF_CONFIG, 1) or _find_up(cfg.checkpoint.init_from, HF_CONFIG)
-    source = json.loads((hf_home / HF_CONFIG).read_text()) if hf_home else {}
+    hf_home = _find_up(run, HF_CONFIG, 1, key="export-hf RUN_DIR") or _find_up(cfg.checkpoint.init_from, HF_CONFIG)
+    source = json.loads(storage.read_bytes(join(hf_home, HF_CONFIG))) if hf_home else {}
     if dtype is None:
         names = {v: k for k, v in HF_DTYPE_NAMES.items()}
         dtype = names.get(source.get("dtype") or source.get("torch_dtype"), "fp32")
@@ -99,9 +148,11 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
                               "export with --dtype bf16 or fp32")
         tensors.append((name, cast))
     del params
-    tokenizer_home = None
-    if cfg.data.tokenizer != "bytes" and Path(cfg.data.tokenizer).expanduser().is_file():
-        tokenizer_home = Path(cfg.data.tokenizer).expanduser().parent
+    # The tokenizer the run trained with (a local file), else the imported source's files.
+    tokenizer_home: Optional[str] = None
+    tokenizer = cfg.data.tokenizer
+    if tokenizer != "bytes" and not is_remote(tokenizer) and Path(tokenizer).expanduser().is_file():
+        tokenizer_home = os.fspath(Path(tokenizer).expanduser().parent)
     elif hf_home is not None:
         tokenizer_home = hf_home
     with writing(tmp):
@@ -118,8 +169,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="jaxtrain export-hf",
                                      description="Write a run's parameters as a Hugging Face Llama checkpoint "
                                                  "(config.json + safetensors) for transformers.")
-    parser.add_argument("run_dir", help="jaxtrain run directory (config.yaml + checkpoints/)")
-    parser.add_argument("--output", required=True, help="new directory to write (must not exist or be empty)")
+    parser.add_argument("run_dir", help="jaxtrain run directory (config.yaml + checkpoints/): a local path, "
+                                        "gs://BUCKET/PATH or s3://BUCKET/PATH")
+    parser.add_argument("--output", required=True, help="new local directory to write (must not exist or be empty)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest good one)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="tensor dtype (default: the imported source's, else fp32)")

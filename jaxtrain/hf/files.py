@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import posixpath
 import re
 import shutil
 from pathlib import Path
@@ -14,8 +15,10 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 
+from jaxtrain import storage
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.hf.mapping import hf_shapes
+from jaxtrain.paths import is_remote, join
 
 HF_CONFIG = "hf_config.json"  # the source's config.json, kept beside an import
 # Tokenizer (and generation) files copied through on import and export when present.
@@ -138,6 +141,18 @@ def write_safetensors(tensors: list[tuple[str, np.ndarray]], dst: Path, max_shar
 # ----------------------------------------------------------------------------- directories
 
 
+def refuse_url(path: str, what: str, hint: str) -> None:
+    """Raise ConfigError when `path` is a URL: `what` (an option or argument) takes a local path.
+
+    Hugging Face directories are read and written on local disk (safetensors files are opened
+    memory-mapped, outputs appear by one rename); without this check a URL would be taken for a
+    relative path and fail as "does not exist", or write a local folder named 'gs:' / 's3:'.
+    `hint` says what to do instead.
+    """
+    if is_remote(path):
+        raise ConfigError(f"{what} '{path}' is a URL; it must be a local directory ({hint})")
+
+
 def fresh_output(path: str) -> tuple[Path, Path]:
     """(final, temporary) paths for an output directory that must not exist or be empty.
 
@@ -174,11 +189,21 @@ def writing(tmp: Path) -> Iterator[Path]:
         raise
 
 
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+def copy_tokenizer(src: str | Path, dst: Path) -> list[str]:
+    """Copy the tokenizer (and generation) files present in `src` (a local folder or a gs:// /
+    s3:// URL) into the local folder `dst`; returns the names copied."""
+    src = os.fspath(src)
+    if is_remote(src):
+        fs = storage.filesystem(src)
+        fs.invalidate_cache()
+        # One listing rather than a lookup per candidate name.
+        present = {posixpath.basename(p.rstrip("/")) for p in fs.ls(src, detail=False)}
+    else:
+        present = {name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))}
     copied = []
     for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+        if name in present:
+            (dst / name).write_bytes(storage.read_bytes(join(src, name)))
             copied.append(name)
     return copied
 

@@ -16,7 +16,7 @@ import yaml
 
 from jaxtrain.config import ConfigError, from_dict
 from jaxtrain.hf.files import (HF_CONFIG, SafetensorsReader, check_tensors, copy_tokenizer, finish, fresh_output,
-                               read_hf_config, writing)
+                               read_hf_config, refuse_url, writing)
 from jaxtrain.hf.mapping import model_section_from_hf, params_from_hf
 
 
@@ -24,14 +24,19 @@ def import_hf(source: str, output: str) -> dict:
     """Convert a Hugging Face Llama directory into a jaxtrain directory (layout: see `jaxtrain.hf`).
 
     Args:
-      source: directory with config.json and *.safetensors (plus tokenizer files, optional).
-      output: new directory (must not exist, or be empty).
+      source: local directory with config.json and *.safetensors (plus tokenizer files, optional).
+      output: new local directory (must not exist, or be empty).
     Returns:
       Summary: output, num_params, source_dtype, files (safetensors read), tokenizer (files copied).
     Raises:
-      ConfigError: missing/invalid source, a field or tensor jaxtrain cannot represent, or an
-        existing output. Raised before anything is written.
+      ConfigError: missing/invalid source, a field or tensor jaxtrain cannot represent, an
+        existing output, or a URL for either. Raised before anything is written.
     """
+    refuse_url(source, "import-hf SRC", "download it first: gcloud storage cp -r / aws s3 cp --recursive")
+    # An import copied into s3:// would not be readable there (docs/checkpoint.md): keep it local
+    # or on a shared filesystem, and start runs from it with checkpoint.init_from.
+    refuse_url(output, "import-hf --output", "write it locally or on a shared filesystem; a run in a bucket "
+               "starts from it with checkpoint.init_from=DIR")
     src = Path(source).expanduser()
     if not src.is_dir():
         raise ConfigError(f"import-hf source '{source}' does not exist or is not a directory")
