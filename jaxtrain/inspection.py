@@ -1,7 +1,7 @@
 """`jaxtrain inspect`: compile the step from shapes alone and report where time and memory go.
 
 Nothing is allocated and no data is read: the state and the batch are `ShapeDtypeStruct`s, so
-`jaxtrain inspect --config configs/llama3-70b.yaml` works on a laptop. Reports parameters, model FLOPs per step, XLA's own FLOP count, memory per device, every
+`jaxtrain inspect --config configs/llama3-70b.yaml` works on a laptop. Reports parameters, the pipeline schedule, model FLOPs per step, XLA's own FLOP count, memory per device, every
 parameter's sharding (optional) and collective traffic per step by kind, read from the compiled
 HLO. Collectives inside loops (the layer scan, gradient accumulation) are multiplied by the
 loop's trip count when XLA records it (`known_trip_count`).
@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import jax
 
+from jaxtrain import pipeline
 from jaxtrain.config import Config
 from jaxtrain.profiling import COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size, shape_bytes, wire_bytes
 from jaxtrain.sharding import logical_to_spec
@@ -176,6 +177,7 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     """Compile the train step from shapes alone (no data read, no parameter allocated) and report.
 
     Returns a JSON-able dict: `params`, `flops_per_step`, `xla_flops_per_device`, `mesh`,
+    `pipeline` (the schedule, S, M, R and bubble: `pipeline.describe`, as in the `start` event),
     `peak_memory_bytes_per_device` and its parts, `collectives` (kind -> wire bytes per step per
     device, as `collective_bytes` counts them: a CPU all-reduce that implements a reduce-scatter
     counts as that reduce-scatter), `collective_ops` (kind -> ops per step),
@@ -199,7 +201,8 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     t = time.perf_counter()
     compiled = layout.lower_train_step().compile()
     report: dict = {"devices": len(devices), "device_kind": devices[0].device_kind, "mesh": sizes,
-                    "attention": attention, "params": layout.num_params, "flops_per_step": flops_per_step(cfg),
+                    "pipeline": pipeline.describe(cfg, sizes), "attention": attention,
+                    "params": layout.num_params, "flops_per_step": flops_per_step(cfg),
                     "compile_s": round(time.perf_counter() - t, 3)}
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -265,6 +268,7 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
     """The text form of `inspect_report`."""
     lines = [f"devices: {report['devices']} ({report['device_kind']})   mesh: {report['mesh']}   "
              f"attention: {report['attention']}",
+             _pipeline_line(report["pipeline"]),
              f"parameters: {report['params']:,}",
              f"model FLOPs per step: {report['flops_per_step']:.4g}   compile: {report['compile_s']:.1f} s"]
     if report.get("xla_flops_per_device") is not None:
@@ -288,6 +292,16 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
             lines.append(f"  {name:<36} {str(tuple(p['shape'])):<22} {str(tuple(p['logical'])):<44} "
                          f"{p['spec']:<36} {p['bytes_per_device']:,}")
     return "\n".join(lines)
+
+
+def _pipeline_line(p: dict) -> str:
+    """One line for `pipeline.describe`'s dict, e.g. 'pipeline: gpipe, S=4 stages x 2 layers,
+    M=4 microbatches, R=1; 7 iterations, bubble (S-1)/(R*M+S-1) = 42.9%'."""
+    if p["schedule"] == "none":
+        return "pipeline: none (one stage)"
+    return (f"pipeline: {p['schedule']}, S={p['stages']} stages x {p['layers_per_stage']} layers, "
+            f"M={p['microbatches']} microbatches, R={p['repeats']}; {p['iterations']} iterations, "
+            f"bubble (S-1)/(R*M+S-1) = {100 * p['bubble']:.1f}%")
 
 
 def inspect_config(cfg: Config, per_parameter: bool = False) -> str:

@@ -61,6 +61,10 @@ from jaxtrain.sharding import Rules, active_rules, constrain, logical_to_spec, u
 # stack(x_BLD, positions_BL, segment_ids_BL, layers) runs `layers` (stacked on a leading axis) in order.
 StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any], jax.Array]
 
+# Rematerialise every scan iteration (module docstring). Always on in training; a module constant
+# rather than a setting so that tests/test_pipeline.py can measure the memory it saves.
+REMAT_ITERATIONS = True
+
 _X = ("layers", "batch", "length", "act_embed")  # a per-stage activation [S, B, L, D]
 _IDS = ("layers", "batch", "length")  # per-stage positions / segment ids [S, B, L]
 
@@ -250,8 +254,10 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
         y = jax.vmap(one_replica, spmd_axis_name=replicas)(rows(x_BLD), rows(pos_BL), rows(seg_BL), w)
         return y.reshape(x_BLD.shape)
 
-    # Remat per iteration: the backward pass keeps each iteration's stage inputs, not the layers' insides.
-    all_stages = jax.checkpoint(jax.vmap(one_stage, spmd_axis_name=spmd_axes or None), prevent_cse=False)
+    all_stages = jax.vmap(one_stage, spmd_axis_name=spmd_axes or None)
+    if REMAT_ITERATIONS:
+        # Remat per iteration: the backward pass keeps each iteration's stage inputs, not the layers' insides.
+        all_stages = jax.checkpoint(all_stages, prevent_cse=False)
 
     def feed(loop, t):
         """Stage 0's inputs at iteration t: microbatch t % M (x in every slot of the loop buffer,

@@ -3,6 +3,7 @@ are layout-free; compile time is flat in depth; bad pipeline configs exit 2."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -10,16 +11,17 @@ import shutil
 import signal
 import subprocess
 import sys
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from jaxtrain import pipeline
+from jaxtrain import cli, pipeline
 from jaxtrain.checkpoint import restore_params_only
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.inspection import collective_bytes
+from jaxtrain.inspection import collective_bytes, format_report, inspect_report
 from jaxtrain.mesh import validate_against_devices
 from jaxtrain.sharding import global_batch
 from jaxtrain.step import BATCH_KEYS
@@ -188,35 +190,104 @@ def test_describe_reports_schedule_and_bubble():
     assert pipeline.describe(none, validate_against_devices(none, 8))["schedule"] == "none"
 
 
+# stage=4 x data=2, GPipe with M=4, for `jaxtrain inspect`.
+INSPECT = ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=4"]
+
+
+@pytest.fixture(scope="module")
+def inspect_json() -> dict:
+    """`jaxtrain inspect --json` (in this process, on the 8 simulated devices) for INSPECT."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["inspect", "--config", str(REPO / "configs/tiny.yaml"), "--json", *BASE, *INSPECT]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_inspect_reports_the_pipeline_schedule(inspect_json):
+    """`inspect --json` carries `pipeline.describe`; the text form has one line with S, M, R and the bubble."""
+    assert inspect_json["pipeline"] == {
+        "schedule": "gpipe", "stages": 4, "microbatches": 4, "repeats": 1, "layers_per_stage": 2,
+        "iterations": 7, "bubble": round(3 / 7, 4)}
+    text = format_report(inspect_json)
+    assert ("pipeline: gpipe, S=4 stages x 2 layers, M=4 microbatches, R=1; 7 iterations, "
+            "bubble (S-1)/(R*M+S-1) = 42.9%") in text.splitlines(), text
+
+
+def test_iteration_remat_bounds_pipeline_memory(inspect_json, monkeypatch):
+    """Remat of every scan iteration keeps only the stages' inputs for the backward pass: XLA's
+    temporary memory per device is a fraction of what the same step needs without it. (Measured
+    on this config: 0.60 MiB with, 2.48 MiB without, 0.24x; 0.14-0.24x at longer sequences,
+    larger batches and with R=2.)"""
+    monkeypatch.setattr(pipeline, "REMAT_ITERATIONS", False)
+    without = inspect_report(load_config(REPO / "configs/tiny.yaml", BASE + INSPECT))
+    with_remat = inspect_json["memory_bytes_per_device"]
+    assert with_remat["arguments"] == without["memory_bytes_per_device"]["arguments"]  # the same state
+    assert with_remat["temporaries"] <= 0.5 * without["memory_bytes_per_device"]["temporaries"], (
+        with_remat, without["memory_bytes_per_device"])
+
+
 def test_checkpoint_is_layout_free(tmp_path):
-    """Save after 2 steps with stage=2 (GPipe); restore with stage=1 and with stage=4 circular and
-    continue: the losses are those of an uninterrupted stage=1 run."""
-    common = BASE + ["train.steps=4", "optim.min_lr_ratio=1.0", "checkpoint.every_steps=0",
+    """Checkpoints restore under any schedule, both ways, with the whole train state (Adam moments,
+    step, rng, ...) bitwise: saved at step 2 with stage=2 GPipe, restored with stage=1 and with
+    stage=4 circular; saved at step 2 with stage=1, restored with stage=2; saved at step 4 by that
+    circular run, restored with stage=4 GPipe. Every continuation's losses are those of an
+    uninterrupted stage=1 run."""
+    common = BASE + ["train.steps=6", "optim.min_lr_ratio=1.0", "checkpoint.every_steps=0",
                      "checkpoint.save_at_end=false", "data.global_batch_size=16"]
+    stage4_circular = ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=4", "pipeline.repeats=2"]
 
-    def trainer(out: Path, mesh: list[str], write: bool = True) -> Trainer:
-        return Trainer(load_config(None, common + [f"run.output_dir={out}", *mesh]), write_files=write)
+    def trainer(out: Path, mesh: list[str]) -> Trainer:
+        return Trainer(load_config(None, common + [f"run.output_dir={out}", *mesh]))
 
-    reference = trainer(tmp_path / "ref", ["mesh.data=8"], write=False)
-    ref_losses = [reference.step()["loss"] for _ in range(4)]
+    def save(t: Trainer) -> dict:
+        """Checkpoint `t` now; its state on the host, to compare the restored states with."""
+        t.save()
+        return jax.device_get(t.state)
 
-    saved = tmp_path / "stage2"
-    first = trainer(saved, ["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=4"])
-    losses = [first.step()["loss"] for _ in range(2)]
-    first.save()
+    def resume(saved: Path, state: dict, name: str, mesh: list[str]) -> Trainer:
+        """A trainer with `mesh` in a copy of the run directory `saved`, checked to hold `state`."""
+        shutil.copytree(saved, tmp_path / name)
+        resumed = trainer(tmp_path / name, mesh)
+        assert resumed.resumed_from == int(state["step"]), name
+        assert_trees_equal(jax.device_get(resumed.state), state, f"{name}: restored state ")
+        return resumed
+
+    def check_steps(t: Trainer, name: str, first: int, count: int = 2) -> None:
+        """Run `count` steps; their losses must be the reference's steps first+1, ..."""
+        losses = [t.step()["loss"] for _ in range(count)]
+        np.testing.assert_allclose(losses, ref_losses[first:first + count], rtol=1e-5, err_msg=name)
+
+    # The uninterrupted reference, stage=1, saving at step 2 on the way.
+    reference = trainer(tmp_path / "stage1", ["mesh.data=8"])
+    ref_losses = [reference.step()["loss"] for _ in range(2)]
+    stage1_at_2 = save(reference)
+    ref_losses += [reference.step()["loss"] for _ in range(4)]
+    reference.close()
+
+    first = trainer(tmp_path / "stage2", ["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=4"])
+    check_steps(first, "stage2", 0)
+    stage2_at_2 = save(first)
     first.close()
-    np.testing.assert_allclose(losses, ref_losses[:2], rtol=1e-5)
 
-    for name, mesh in {"stage1": ["mesh.data=8"],
-                       "stage4_circular": ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=4",
-                                           "pipeline.repeats=2"]}.items():
-        out = tmp_path / name
-        shutil.copytree(saved, out)
-        resumed = trainer(out, mesh)
-        assert resumed.resumed_from == 2, name
-        losses = [resumed.step()["loss"] for _ in range(2)]
-        resumed.close()
-        np.testing.assert_allclose(losses, ref_losses[2:], rtol=1e-5, err_msg=name)
+    resumed = resume(tmp_path / "stage2", stage2_at_2, "stage2_to_stage1", ["mesh.data=8"])
+    check_steps(resumed, "stage2_to_stage1", 2)
+    resumed.close()
+
+    resumed = resume(tmp_path / "stage2", stage2_at_2, "stage2_to_stage4_circular", stage4_circular)
+    check_steps(resumed, "stage2_to_stage4_circular", 2)
+    circular_at_4 = save(resumed)
+    resumed.close()
+
+    # The other way round: from no pipeline into one, and from circular into GPipe.
+    resumed = resume(tmp_path / "stage1", stage1_at_2, "stage1_to_stage2",
+                     ["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=4"])
+    check_steps(resumed, "stage1_to_stage2", 2)
+    resumed.close()
+
+    resumed = resume(tmp_path / "stage2_to_stage4_circular", circular_at_4, "stage4_circular_to_gpipe",
+                     ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=4", "pipeline.repeats=1"])
+    check_steps(resumed, "stage4_circular_to_gpipe", 4)
+    resumed.close()
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -288,6 +359,12 @@ def test_kill_and_resume_pipelined_run_is_bitwise(tmp_path):
     # The same command again; the restart counter keeps the drill from firing a second time.
     resumed = train(out, cache, "chaos.kill_at_step=7", env={"JAXTRAIN_RESTART_ATTEMPT": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Every start (the reference, the killed run, the resumed one) reports RUN's schedule.
+    starts = [e for d in (reference, out) for e in records(d, "events.jsonl") if e["kind"] == "start"]
+    assert len(starts) == 3, starts
+    for start in starts:
+        assert start["pipeline"] == {"schedule": "circular", "stages": 2, "microbatches": 4, "repeats": 2,
+                                     "layers_per_stage": 2, "iterations": 9, "bubble": round(1 / 9, 4)}, start
     resumes = [e["restored_step"] for e in records(out, "events.jsonl") if e["kind"] == "resume"]
     # Saves every 2 steps; the latest writes may still be in flight when step 7 is killed.
     assert len(resumes) == 1 and resumes[0] in (2, 4, 6), resumes
