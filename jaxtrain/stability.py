@@ -161,3 +161,74 @@ class RollbackLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, json.dumps({"rollbacks": self.records}, indent=1))
         return record
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackPlan:
+    """What a rollback will do: go from `at_step` back to the committed checkpoint `to_step`."""
+
+    at_step: int
+    to_step: int
+    spike_steps: tuple[int, ...]
+
+
+class RollbackLimit(Exception):
+    """`stability.max_rollbacks` is spent: the run must stop (exit 75) with this message."""
+
+
+class Rollbacks:
+    """The rollback side of the loop: decides where to go, records it, discards what it supersedes,
+    and says when to skip the batches it left behind. The loop only restores the state it is told to.
+
+    Without a checkpointer (write_files=False: notebooks, tests) nothing can be restored; a request
+    is logged as `rollback_unavailable` and training goes on.
+    """
+
+    def __init__(self, cfg: Config, checkpointer: Any, record: RollbackLog | None, event: Callable[..., None]):
+        self.cfg, self.checkpointer, self.record, self.event = cfg.stability, checkpointer, record, event
+        self._skipped_at: int | None = None  # the step at which rolled-back batches were last skipped
+
+    def __len__(self) -> int:
+        return len(self.record) if self.record is not None else 0
+
+    def finish_interrupted(self) -> None:
+        """At start-up: a rollback that died before discarding what it superseded is finished
+        (idempotent; one collective discard per recorded rollback, on every process alike)."""
+        for r in self.record.records if self.record is not None else []:
+            self.checkpointer.discard_after(r["to_step"], committed_before=r["time"])
+
+    def batches_to_skip(self, step: int) -> int:
+        """Before drawing the batch after `step`: how many batches a rollback to `step` left behind
+        (also after a restart). Counted once per visit of `step`."""
+        if self.record is None or self._skipped_at == step:
+            return 0
+        self._skipped_at = step
+        return self.record.skip_at(step)
+
+    def plan(self, request: RollbackRequest) -> RollbackPlan | None:
+        """Where to go for `request`; None when no rollback is possible (logged). Raises
+        RollbackLimit when stability.max_rollbacks is spent."""
+        s, at = self.cfg, request.at_step
+        if self.checkpointer is None:
+            self.event("rollback_unavailable", at, reason="no checkpoint directory (write_files=False)")
+            return None
+        if len(self) >= s.max_rollbacks:
+            raise RollbackLimit(
+                f"{s.max_spikes} loss spikes within {s.window} steps again, after {len(self)} rollback(s) "
+                f"(stability.max_rollbacks={s.max_rollbacks}): stopping; look at the data and the learning rate "
+                "before restarting")
+        self.checkpointer.wait()
+        target = self.checkpointer.latest_step(before=request.spike_steps[0])
+        if target is None:
+            self.event("rollback_unavailable", at, spike_steps=list(request.spike_steps),
+                       reason="no committed checkpoint before the first spike")
+            return None
+        return RollbackPlan(at_step=at, to_step=target, spike_steps=request.spike_steps)
+
+    def commit(self, plan: RollbackPlan) -> list[int]:
+        """Record the rollback, then discard the checkpoints after its target (in this order: see the
+        module docstring). Returns the steps discarded. The loop restores `plan.to_step` next."""
+        self.record.add(from_step=plan.at_step, to_step=plan.to_step, skip_batches=self.cfg.skip_batches,
+                        spike_steps=plan.spike_steps)
+        self._skipped_at = None  # this rollback's skip (and earlier ones to the same step) applies next
+        return self.checkpointer.discard_after(plan.to_step)

@@ -46,7 +46,7 @@ from jaxtrain.runlog import RunLog
 from jaxtrain.sharding import check_attention_layout, global_batch
 from jaxtrain.preflight import run_preflight
 from jaxtrain.profiling import StepProfiler
-from jaxtrain.stability import RollbackLog, RollbackRequest, SpikeGuard
+from jaxtrain.stability import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
 from jaxtrain.storage import check_access
 from jaxtrain.stragglers import Stragglers, job_hosts
 from jaxtrain.state import State, build_layout
@@ -170,7 +170,6 @@ class Trainer:
         self._data_wait_since_log = 0.0  # data wait summed over the steps since the last metrics record
         self._fit_start = self._host_step
         self.watchdog.beat(self._host_step, "idle")  # built: no deadline until fit() runs
-        self._skips_done: int | None = None  # the step at which rolled-back batches were last skipped
         self._stop_details: dict = {}  # what the event of an early stop says besides its kind
         self.host_sync = HostSync(self.mesh, cfg.train.host_sync_every, self.process_count)
         self._pending: _Pending | None = None
@@ -184,11 +183,10 @@ class Trainer:
         cfg = self.cfg
         checkpoint_dir = join(self.output_dir, "checkpoints")
         self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
-        self.rollbacks = RollbackLog(checkpoint_dir, primary=self.process_index == 0,
-                                     agree=self.checkpointer.agree) if write_files else None
-        for record in self.rollbacks.records if self.rollbacks is not None else []:
-            # A rollback that died before discarding what it superseded: finish it (idempotent).
-            self.checkpointer.discard_after(record["to_step"], committed_before=record["time"])
+        record = RollbackLog(checkpoint_dir, primary=self.process_index == 0,
+                             agree=self.checkpointer.agree) if write_files else None
+        self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self._event)
+        self.rollbacks.finish_interrupted()
         self.resumed_from: int | None = None
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
         if latest is not None:
@@ -355,7 +353,7 @@ class Trainer:
             self.log.event(stop, self._host_step, exit_code=EXIT_RESTART, skipped_steps=skipped, **self._stop_details)
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
         details = {"stragglers": dict(self.stragglers.reports)} if self.process_count > 1 else {}
-        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks or ()), **details)
+        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks), **details)
         return {"step": self._host_step, "exit_code": EXIT_OK}
 
     def _iteration(self) -> str | None:
@@ -413,47 +411,32 @@ class Trainer:
 
     def _skip_rolled_back_batches(self) -> None:
         """Past a rollback's target step, skip the batches it left behind (also after a restart)."""
-        if self.rollbacks is not None and self._skips_done != self._host_step:
-            self._skips_done = self._host_step
-            n = self.rollbacks.skip_at(self._host_step)
-            if n:
-                self.data.skip_batches(n)
+        n = self.rollbacks.batches_to_skip(self._host_step)
+        if n:
+            self.data.skip_batches(n)
 
     def _roll_back(self, request: RollbackRequest) -> bool:
-        """Restore the last committed checkpoint before the first spike and skip the data after it.
-
-        Returns False when `stability.max_rollbacks` is spent (the run must stop, exit 75).
-        """
-        s, at = self.cfg.stability, request.at_step
-        if self.checkpointer is None:
-            self.log.event("rollback_unavailable", at, reason="no checkpoint directory (write_files=False)")
-            return True
-        if len(self.rollbacks) >= s.max_rollbacks:
-            message = (f"{s.max_spikes} loss spikes within {s.window} steps again, after {len(self.rollbacks)} "
-                       f"rollback(s) (stability.max_rollbacks={s.max_rollbacks}): stopping; look at the data and the "
-                       "learning rate before restarting")
-            self._stop_details = {"spike_steps": list(request.spike_steps), "message": message}
-            print(f"jaxtrain: {message}", file=sys.stderr, flush=True)
+        """Restore the last committed checkpoint before the first spike (stability.Rollbacks decides
+        which and discards the newer ones). False when stability.max_rollbacks is spent (exit 75)."""
+        try:
+            plan = self.rollbacks.plan(request)
+        except RollbackLimit as e:
+            self._stop_details = {"spike_steps": list(request.spike_steps), "message": str(e)}
+            print(f"jaxtrain: {e}", file=sys.stderr, flush=True)
             return False
-        self.checkpointer.wait()
-        target = self.checkpointer.latest_step(before=request.spike_steps[0])
-        if target is None:
-            self.log.event("rollback_unavailable", at, spike_steps=list(request.spike_steps),
-                           reason="no committed checkpoint before the first spike")
+        if plan is None:
             return True
         self._pending = None  # the step queued after the last spike is thrown away with its state
-        self.rollbacks.add(from_step=at, to_step=target, skip_batches=s.skip_batches, spike_steps=request.spike_steps)
         with self.watchdog.phase("checkpoint"):
-            discarded = self.checkpointer.discard_after(target)
-            self.state, extra = self.checkpointer.restore(target, self.abstract_state())
+            discarded = self.rollbacks.commit(plan)
+            self.state, extra = self.checkpointer.restore(plan.to_step, self.abstract_state())
         self.data.set_state(extra["data"])
-        self._host_step = target
-        self._skips_done = None  # the loop applies this rollback's skip (and earlier ones to the same step) next
+        self._host_step = plan.to_step
         self.guard.reset()
-        self.log.event("rollback", at, from_step=at, to_step=target, batches_skipped=s.skip_batches,
-                       spike_steps=list(request.spike_steps), discarded_checkpoints=discarded,
-                       rollbacks=len(self.rollbacks))
-        self.throughput.exclude(target)
+        self.log.event("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
+                       batches_skipped=self.cfg.stability.skip_batches, spike_steps=list(plan.spike_steps),
+                       discarded_checkpoints=discarded, rollbacks=len(self.rollbacks))
+        self.throughput.exclude(plan.to_step)
         return True
 
     def _report_resume(self) -> None:
