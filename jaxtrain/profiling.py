@@ -165,7 +165,8 @@ def replica_group_size(attributes: str, num_devices: int) -> int:
     """Devices in each replica group of a collective, from any of XLA's spellings.
 
     `replica_groups={{0,1},{2,3}}` (explicit), `replica_groups=[4,2]<=[8]` (iota: 4 groups of 2),
-    `replica_groups=mesh['a'=4,'b'=2] {'b'}` (mesh axes: the product of the named axes), and
+    `replica_groups=mesh['a'=4,'b'=2] {'b'}` (mesh axes: the product of the named axes; also with
+    `, device_ids=(...)` before the names), and
     `replica_groups={}` (one group of all devices).
     """
     m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attributes)
@@ -174,7 +175,9 @@ def replica_group_size(attributes: str, num_devices: int) -> int:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attributes)
     if m:
         return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    # The mesh spelling may carry a device order between the axes and the group's axis names:
+    # `mesh[...], device_ids=([2,4]T(1,0)) {'axis_0'}` (no braces in between).
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{}]*\{([^}]*)\}", attributes)
     if m:
         sizes = {k.strip("'\" "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
         names = [x.strip("'\" ") for x in m.group(2).split(",") if x.strip()]

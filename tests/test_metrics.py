@@ -78,6 +78,8 @@ def test_replica_group_sizes_in_every_spelling():
     assert replica_group_size("replica_groups={{0,1,2},{3,4,5}}, to_apply=%add", 8) == 3
     assert replica_group_size("replica_groups=[4,2]<=[4,2]T(1,0), dimensions={0}", 8) == 2
     assert replica_group_size("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_3'=2] {'axis_3'}, x", 8) == 2
+    assert replica_group_size("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+                              "{'axis_0'}, dimensions={0}", 8) == 4
     assert replica_group_size("replica_groups={}, to_apply=%add", 8) == 8
 
 
