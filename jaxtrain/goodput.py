@@ -34,14 +34,17 @@ import argparse
 import bisect
 import dataclasses
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from jaxtrain import storage
 from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_OK
+from jaxtrain.paths import is_remote, join
 
 PARTS = ("productive_s", "startup_s", "checkpoint_s", "restart_downtime_s", "hang_s", "redone_steps_s",
          "data_wait_s", "eval_s", "skipped_steps_s", "other_s")
@@ -51,12 +54,13 @@ LABELS = {"productive_s": "productive training", "startup_s": "start-up and comp
           "skipped_steps_s": "skipped steps", "other_s": "other (not attributed)"}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; torn or foreign lines (a killed writer) are skipped."""
-    if not path.exists():
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The JSON objects of a .jsonl file or object; torn or foreign lines (a killed writer) are skipped."""
+    path = os.fspath(path)
+    if not storage.is_file(path):
         return []
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in storage.read_bytes(path).decode(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
@@ -233,11 +237,13 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
     Raises:
       ConfigError: no events.jsonl with timed events in `run_dir`.
     """
-    run_dir = Path(run_dir)
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if isinstance(e.get("time"), (int, float))]
+    run_dir = os.fspath(run_dir)
+    if is_remote(run_dir):
+        storage.check_access(run_dir, key="RUN_DIR")  # a wrong bucket or no credentials: one line, exit 2
+    events = [e for e in read_jsonl(join(run_dir, "events.jsonl")) if isinstance(e.get("time"), (int, float))]
     if not events:
         raise ConfigError(f"{run_dir}: no events.jsonl with events (is it a jaxtrain run directory?)")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(join(run_dir, "metrics.jsonl"))
     attempts = split_attempts(events)
     entries, eval_by_attempt = step_entries(metrics, attempts)
     parts = dict.fromkeys(PARTS, 0.0)
@@ -349,7 +355,7 @@ def format_report(report: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="jaxtrain goodput", description="Where a run's wall time went: productive training against "
                "start-up, checkpoints, restarts, hangs, re-done steps, data wait, evaluation and skipped steps.")
-    p.add_argument("run_dir", help="the run directory (run.output_dir)")
+    p.add_argument("run_dir", help="the run directory (run.output_dir; local, gs:// or s3://)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/goodput.md)")
     return p
 

@@ -143,6 +143,16 @@ def test_sigkill_then_same_command_resumes_bitwise(resumed, reference):
 
 
 @pytest.mark.slow
+def test_goodput_of_a_run_in_the_bucket_equals_that_of_a_local_copy(resumed, tmp_path):
+    from jaxtrain.goodput import goodput
+    for name in ("events.jsonl", "metrics.jsonl"):
+        (tmp_path / name).write_bytes(storage.read_bytes(f"{resumed.url}/{name}"))
+    remote, local = goodput(resumed.url), goodput(tmp_path)
+    assert remote["attempts"] == 2 and remote["steps"]["final"] == STEPS, remote  # the killed attempt and the resume
+    assert {**remote, "run_dir": None} == {**local, "run_dir": None}
+
+
+@pytest.mark.slow
 def test_run_files_are_in_the_bucket(resumed):
     url, cwd = resumed.url, resumed.cwd
     names = {o.split("/resume/", 1)[1] for o in objects(url)}
@@ -299,8 +309,9 @@ def test_wrong_bucket_is_one_line_exit_2_nothing_written(servers, scheme, cache,
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no-such-bucket-here" in r.stderr and "does not exist" in r.stderr
-    r = run_cli([sys.executable, "-m", "jaxtrain.cli", "checkpoints", url], cwd=tmp_path)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
+    for verb in ("checkpoints", "goodput"):
+        r = run_cli([sys.executable, "-m", "jaxtrain.cli", verb, url], cwd=tmp_path)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr, r.stderr
     assert objects(f"{scheme}://{BUCKET}") == before and os.listdir(tmp_path) == []
 
 
