@@ -46,8 +46,8 @@ UNPIPELINED = ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1", "p
 LAYOUTS = {
     "stage2_fsdp2_tensor2_gpipe_accum2": ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
                                           "pipeline.microbatches=4", "train.grad_accum=2"],
-    "stage2_fsdp2_tensor2_circular": ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                      "pipeline.microbatches=4", "pipeline.repeats=2"],
+    "stage2_fsdp2_tensor2_circular_accum2": ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                             "pipeline.microbatches=4", "pipeline.repeats=2", "train.grad_accum=2"],
     "stage4_data2_gpipe": ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=4"],
     "stage4_data2_circular": ["mesh.data=2", "mesh.stage=4", "pipeline.microbatches=8", "pipeline.repeats=2"],
     "stage8_gpipe": ["mesh.data=1", "mesh.stage=8", "pipeline.microbatches=8"],
