@@ -1,6 +1,6 @@
 """Attention kernels: correctness against the XLA reference and speed.
 
-  /work/venv/bin/python bench/bench_attention.py [--seq 256] [--heads 4] [--kv-heads 2] [--head-dim 64]
+  python bench/bench_attention.py [--seq 256] [--heads 4] [--kv-heads 2] [--head-dim 64]
 
 On an NVIDIA GPU this runs tpu_gpu_setup/gpu/check_attention.py (triton / pallas / cudnn against
 xla, and the forward and forward+backward TFLOP/s table; extra arguments are passed through).

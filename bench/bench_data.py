@@ -1,6 +1,6 @@
 """Data pipeline throughput: tokens/s the iterator produces, next to what a training step consumes.
 
-  /work/venv/bin/python bench/bench_data.py [--tokens 16000000] [--batches 200]
+  python bench/bench_data.py [--tokens 16000000] [--batches 200]
 
 Measures, on one process:
   1. the packed-batch iterator alone (no prefetch: the pure production rate) at the cpu-tiny

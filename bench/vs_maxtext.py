@@ -1,6 +1,6 @@
 """cpu-tiny beside MaxText (DESIGN §6, §7): tokens/s and MFU of both, measured side by side.
 
-    python bench/vs_maxtext.py [--maxtext-python /work/maxtext-venv/bin/python] [--rounds 3]
+    python bench/vs_maxtext.py [--maxtext-python ../maxtext-venv/bin/python] [--rounds 3]
     python bench/vs_maxtext.py --markdown /tmp/vs_maxtext.json      (the README table of a saved run)
 
 Both sides run their real training entry point as a subprocess, on one CPU device, on the same
@@ -261,7 +261,8 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--maxtext-python", default="/work/maxtext-venv/bin/python")
+    parser.add_argument("--maxtext-python", default=os.environ.get("MAXTEXT_PYTHON", "../maxtext-venv/bin/python"),
+                        help="the Python of the MaxText venv (bench/maxtext_peer_setup.sh; env MAXTEXT_PYTHON)")
     parser.add_argument("--jaxtrain-python", default=sys.executable, help="the Python (venv) that runs jaxtrain")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--short", type=int, default=4, help="steps of the short run")
