@@ -148,9 +148,10 @@ def test_killed_task_requeues_the_job(tmp_path, slurm_env, reference):
     while time.time() < deadline:
         fields = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout.split()
         job = dict(f.split("=", 1) for f in fields if "=" in f)
-        # The first run can read FAILED for a moment (even with Restarts=1) before SLURM requeues it:
-        # only a terminal state after the requeued run was seen pending or running ends the wait.
-        requeued |= job.get("Restarts") == "1" and job.get("JobState") in ("PENDING", "RUNNING")
+        # The first run reads RUNNING with Restarts=1 right after `scontrol requeue`, then FAILED for
+        # a moment before it is requeued: only a terminal state after the job was seen pending again
+        # ends the wait.
+        requeued |= job.get("Restarts") == "1" and job.get("JobState") == "PENDING"
         if requeued and job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                                                 "OUT_OF_MEMORY"):
             break
