@@ -1,7 +1,7 @@
 """cpu-tiny beside MaxText (DESIGN §6, §7): tokens/s and MFU of both, measured side by side.
 
     python bench/vs_maxtext.py [--maxtext-python ../maxtext-venv/bin/python] [--rounds 3]
-    python bench/vs_maxtext.py --markdown /tmp/vs_maxtext.json      (the README table of a saved run)
+    python bench/vs_maxtext.py --markdown vs_maxtext.json      (the README table of a saved run)
 
 Both sides run their real training entry point as a subprocess, on one CPU device, on the same
 model (configs/bench/cpu-tiny.yaml; MaxText's overrides below):
@@ -259,6 +259,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def portable(text: str, names: dict[str, str]) -> str:
+    """`text` with each absolute path prefix in `names` replaced by its placeholder, longest first."""
+    for prefix in sorted(names, key=len, reverse=True):
+        text = text.replace(prefix, names[prefix])
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--maxtext-python", default=os.environ.get("MAXTEXT_PYTHON", "../maxtext-venv/bin/python"),
@@ -272,8 +279,9 @@ def main() -> None:
     parser.add_argument("--no-flags", action="store_true", help="no XLA CPU flags on either side")
     parser.add_argument("--peer-flags", choices=("same", "none"), default="same",
                         help="MaxText gets the same XLA flags as jaxtrain (default) or none")
-    parser.add_argument("--log-dir", default="/tmp/vs_maxtext")
-    parser.add_argument("--out", default="/tmp/vs_maxtext.json", help="where the result JSON is written")
+    parser.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "vs_maxtext"),
+                        help="the runs' logs (default: vs_maxtext in the system's temporary directory)")
+    parser.add_argument("--out", default="vs_maxtext.json", help="where the result JSON is written")
     parser.add_argument("--markdown", metavar="RESULT_JSON", help="print the README table of a saved result and exit")
     args = parser.parse_args()
     if args.markdown:
@@ -340,7 +348,12 @@ def main() -> None:
         "model_flops_per_step": flops, "tokens_per_step": tokens, "load_avg_end": loadavg(),
         "summary": summarize(rounds, flops, tokens), "rounds": rounds,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    # Results get committed: no path of this machine in them (the repository is the working directory).
+    text = portable(json.dumps(out, indent=1), {
+        str(Path(args.maxtext_python).absolute().parents[1]): "<maxtext-venv>", str(log_dir.absolute()): "<log-dir>",
+        str(Path(args.jaxtrain_python).absolute().parents[1]): "<jaxtrain-venv>",
+        str(REPO) + "/": "", tempfile.gettempdir(): "<tmp>"})
+    Path(args.out).write_text(text)
     print("\n" + markdown(out) + "\n")
     print(f"(result JSON: {args.out}; table again: python bench/vs_maxtext.py --markdown {args.out})")
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}))
