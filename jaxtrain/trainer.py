@@ -87,10 +87,11 @@ RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps",
 class _Pending:
     """A step queued on the device whose metrics have not been read yet."""
 
-    def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None):
+    def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None,
+                 eval_s: float = 0.0):
         self.step, self.metrics, self.data_wait_s, self.evaluation = step, metrics, data_wait_s, evaluation
         self.values: dict | None = None  # the metrics as Python values, once read
-        self.eval_s = 0.0  # host seconds spent queueing this step's evaluation
+        self.eval_s = eval_s  # host seconds spent queueing this step's evaluation
 
 
 class Trainer:
@@ -256,9 +257,7 @@ class Trainer:
             t = time.perf_counter()
             evaluation = self.evaluator.dispatch(self.state["params"])
             eval_s = time.perf_counter() - t
-        pending = _Pending(self._host_step, metrics, wait, evaluation)
-        pending.eval_s = eval_s
-        return pending
+        return _Pending(self._host_step, metrics, wait, evaluation, eval_s)
 
     def _values(self, pending: _Pending) -> dict:
         """A finished step's metrics as Python values (a host sync on that step, which the loop

@@ -22,7 +22,7 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402  (test-only dependencies of the `dev` extra: a missing one is a failure, not a skip)
-import triton  # noqa: E402
+import triton  # noqa: E402,F401  (imported for its presence: the interpreter needs it)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

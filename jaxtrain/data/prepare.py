@@ -151,7 +151,7 @@ def _write_shards(files: list[Path], tok, dtype: np.dtype, text_field: str, shar
     bar = Progress(sum(f.stat().st_size for f in files), progress)
     shard_sizes: dict[str, int] = {}
     total = docs = max_id = done_bytes = 0
-    fh = None
+    fh, name = None, ""  # the open shard and its file name
     try:
         for f in files:
             file_bytes, file_chars = f.stat().st_size, 0

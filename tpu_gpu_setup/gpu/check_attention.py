@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import attention_flops, attention_training_flops, mha_reference  # noqa: E402
