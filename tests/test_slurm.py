@@ -144,25 +144,34 @@ def test_killed_task_requeues_the_job(tmp_path, slurm_env, reference):
     submit = sbatch(slurm_env, tmp_path, name, *KILL, wait=False, STEP_RESTARTS="0", MAX_REQUEUES="1")
     out, _ = submit.communicate(timeout=60)
     job_id = out.split()[-1]
-    released, requeued, deadline, job = False, False, time.time() + 480, {}
+    # Right after `scontrol requeue` the first run's record flickers (RUNNING or PENDING with
+    # Restarts=1, then FAILED) before the job settles in PENDING/BeginTime. Only the requeued run,
+    # seen RUNNING after we released it, ends the wait when it ends.
+    releases, second_run, history, deadline, job = 0, False, [], time.time() + 480, {}
+    waiting_since: float | None = None
     while time.time() < deadline:
         fields = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout.split()
         job = dict(f.split("=", 1) for f in fields if "=" in f)
-        # The first run reads RUNNING with Restarts=1 right after `scontrol requeue`, then FAILED for
-        # a moment before it is requeued: only a terminal state after the job was seen pending again
-        # ends the wait.
-        requeued |= job.get("Restarts") == "1" and job.get("JobState") == "PENDING"
-        if requeued and job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                                "OUT_OF_MEMORY"):
+        state = (job.get("JobState"), job.get("Reason"), job.get("Restarts"))
+        if not history or history[-1] != state:
+            history.append(state)
+        if second_run and job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                                  "OUT_OF_MEMORY"):
             break
-        if not released and job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
-            # The requeued job waits for its old credential to expire; let it start now.
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-            released = True
+        if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
+            # The requeued job waits (cred_expire, 120 s) for its old credential to expire; let it start
+            # sooner, but not in the second of the requeue: slurmd revokes the old credential by time,
+            # at 1-second granularity, and a launch within it fails ("credential revoked") as FAILED.
+            waiting_since = waiting_since or time.time()
+            if time.time() - waiting_since >= 3:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+                releases += 1
+                waiting_since = None
+        second_run |= releases > 0 and job.get("JobState") == "RUNNING"
         time.sleep(0.5)
     log = "".join(p.read_text() for p in sorted(tmp_path.glob("slurm-*.out")))
-    assert job.get("JobState") == "COMPLETED" and job.get("ExitCode") == "0:0", (job, log[-3000:])
-    assert released and job.get("Restarts") == "1", log[-3000:]
+    assert job.get("JobState") == "COMPLETED" and job.get("ExitCode") == "0:0", (history, log[-3000:])
+    assert releases and job.get("Restarts") == "1", (history, log[-3000:])
     assert "requeueing (requeue 1 of 1)" in log and "restarting the step" not in log
     assert "attempt 1 (requeue 1, step restart 0)" in log and "jaxtrain: done" in log
     assert_same_run(tmp_path / "run", reference)
