@@ -2,7 +2,9 @@
 
 Three measurements, each the best of a few timed repetitions after a warm-up:
 1. matmul rate of every local device (a jitted square matmul; the process reports its slowest
-   device), the number a slow or throttled accelerator shows;
+   device), the number a slow or throttled accelerator shows. CPU devices of processes on one
+   machine share its cores, so on the CPU the processes take turns (a host barrier between turns):
+   timed together, each would measure its neighbours' load, not its own devices;
 2. collective bandwidth over each mesh axis of size > 1: an all-reduce and an all-gather, timed
    on the whole job, so a slow network shows as a slow axis;
 3. pairwise bandwidth between processes: a two-way exchange between the first devices of each pair
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxtrain.checkpoint.multihost import barrier
 from jaxtrain.config import Config
 from jaxtrain.hostcomm import LateAllGather
 
@@ -52,6 +55,23 @@ def matmul_tflops(device: jax.Device, n: int, repeats: int, slow_s: float = 0.0)
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x: x @ x)
     return 2.0 * n ** 3 / _best_time(lambda: f(a), repeats, slow_s) / 1e12
+
+
+def _local_matmul_tflops(mesh: Mesh, n: int, repeats: int, slow_s: float, *, in_turns: bool,
+                         timeout_s: float) -> float:
+    """This process's slowest local device; with `in_turns`, one process at a time. Collective."""
+    def measure() -> float:
+        return min(matmul_tflops(d, n, repeats, slow_s) for d in mesh.local_devices)
+
+    if not in_turns:
+        return measure()
+    mine = float("nan")
+    for turn in range(jax.process_count()):
+        barrier(f"preflight/matmul/{turn}", timeout_s)
+        if turn == jax.process_index():
+            mine = measure()
+    barrier("preflight/matmul/done", timeout_s)
+    return mine
 
 
 def axis_bandwidth(mesh: Mesh, axis: str, mbytes: float, repeats: int) -> dict[str, float]:
@@ -110,7 +130,8 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
     mbytes = mbytes if mbytes is not None else (1.0 if cpu else 64.0)
     c = cfg.chaos
     slow_s = c.slow_seconds if (c.slow_seconds > 0 and me == c.slow_process) else 0.0
-    mine = min(matmul_tflops(d, matmul_n, repeats, slow_s) for d in mesh.local_devices)
+    mine = _local_matmul_tflops(mesh, matmul_n, repeats, slow_s, in_turns=cpu,
+                                timeout_s=cfg.checkpoint.barrier_timeout_s)
     axes = {a: axis_bandwidth(mesh, a, mbytes, repeats) for a in mesh.axis_names if mesh.shape[a] > 1}
     pairs: dict[tuple[int, int], float] = {}
     if count > 1:
