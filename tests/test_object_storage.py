@@ -5,7 +5,8 @@ through tensorstore's gcs / s3 drivers, small files and listings through gcsfs /
 Each backend: SIGKILL mid-run then the same command resumes bitwise (the real CLI), the run's
 files are in the bucket, `jaxtrain checkpoints URL` lists them, a damaged latest checkpoint falls
 back to the previous one, retention deletes the objects, a checkpoint saved on one mesh restores
-onto another (and across process counts), a wrong bucket (run.output_dir or checkpoint.init_from)
+onto another (and across process counts), a checkpoint folder copied from local disk into the
+bucket restores there, a wrong bucket (run.output_dir or checkpoint.init_from)
 or missing credentials is one line on stderr with exit 2 and nothing written, no credential
 reaches any object, local file or stderr, and `jaxtrain export-hf` reads a run directory from a
 bucket. The tensorstore S3 spec is also checked on its own (region only when the environment
@@ -254,6 +255,36 @@ def test_retention_deletes_the_objects(servers, scheme):
     assert ck.latest_step() == 5
 
 
+def test_a_checkpoint_copied_from_disk_into_s3_restores_there(servers, tmp_path):
+    """Orbax's OCDBT format (what local disk and gs:// hold), copied into an s3:// bucket as
+    `aws s3 cp --recursive` would, is listed as good and restores there, onto another mesh."""
+    local = tmp_path / "checkpoints"
+    with Checkpointer(str(local), cfg()) as ck:
+        ck.save(3, to_device(host_state(seed=3), mesh_of(2, 2, 2)), {"step": 3})
+    url = f"s3://{BUCKET}/copied/checkpoints"
+    fs = storage.filesystem(url)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        fs.put_file(str(path), f"{url}/{path.relative_to(local).as_posix()}")
+    assert any(o.endswith("/3/state/manifest.ocdbt") for o in objects(url))
+    ck = Checkpointer(url, cfg())
+    assert ck.latest_step() == 3
+    four = mesh_of(1, 4, 1)
+    state, extra = ck.restore(3, abstract(host_state(0), four))
+    assert matches(state, host_state(seed=3)) and extra == {"step": 3}
+    assert state["params"]["layers"]["w"].sharding.mesh.devices.size == 4
+    # numpy leaves (what import-hf writes) are read there, but writing them stays refused by name
+    import asyncio
+
+    import orbax.checkpoint as ocp
+
+    from jaxtrain.checkpoint import s3_arrays
+    info = ocp.type_handlers.ParamInfo(name="x", parent_dir=tmp_path)
+    refused = r"'x': s3:// checkpoints hold jax.Array leaves only \((np.ndarray|scalar) is not"
+    for leaf_type, leaf in ((np.ndarray, np.zeros(2)), (int, 1)):
+        with pytest.raises(TypeError, match=refused):
+            asyncio.run(s3_arrays.s3_type_handlers()[leaf_type].serialize([leaf], [info]))
+
+
 def test_s3_chunks_split_within_shards_and_restore_across_them(servers, monkeypatch):
     """Chunks larger than the cap are halved inside each shard (one writer per chunk still); a
     restore onto another mesh reads across chunk boundaries."""
@@ -438,24 +469,11 @@ def test_orbax_and_tensorstore_are_pinned_to_a_tested_range():
 
 
 def _to_bucket(imported: Path, url: str) -> None:
-    """An import-hf directory as a run directory in the bucket: its small files as objects, its
-    checkpoint saved there by jaxtrain's Checkpointer (a checkpoint folder copied from local disk
-    is not readable on s3://, whose array format differs; see docs/checkpoint.md)."""
-    from flax import nnx
-
-    from jaxtrain.config import CheckpointConfig
-    from jaxtrain.model import Transformer
+    """An import-hf directory copied file by file into the bucket, as `aws s3 cp --recursive` or
+    `gsutil cp -r` would."""
     fs = storage.filesystem(url)
-    for path in sorted(imported.iterdir()):
-        if path.is_file():
-            fs.put_file(str(path), f"{url}/{path.name}")
-    model = load_config(imported / "config.yaml").model
-    shapes = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))[1])
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
-    params = ckpt_lib.restore_params_only(str(imported), shapes)
-    with Checkpointer(f"{url}/checkpoints", CheckpointConfig(async_save=False)) as ck:
-        assert ck.save(0, {"params": params}, {})
+    for path in sorted(p for p in imported.rglob("*") if p.is_file()):
+        fs.put_file(str(path), f"{url}/{path.relative_to(imported).as_posix()}")
 
 
 def _hf_source(path: Path) -> Path:

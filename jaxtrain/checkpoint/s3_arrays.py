@@ -8,7 +8,10 @@ Orbax still writes everything else (tree metadata, JSON extras, the per-step lay
 etils.epath, which reaches S3 through s3fs, and the commit protocol above it is unchanged.
 
 Format: each leaf is a zarr (v2) array at `state/<name>/` with zstd level 1, the layout and
-compression of Orbax's own non-OCDBT format (a copied checkpoint reads with stock Orbax).
+compression of Orbax's own non-OCDBT format (a copied checkpoint reads with stock Orbax). The
+other way round works too: an OCDBT checkpoint that Orbax wrote to local disk or gs:// and that
+was copied into an s3:// bucket is read through tensorstore's `ocdbt` driver over the same S3
+kvstore.
 Chunks are the saving sharding's shards (split further when one exceeds `_MAX_CHUNK_BYTES`), so
 every process writes whole chunks of its own shards and no two processes touch one object;
 only the replica-0 copy of each shard is written. Process 0 writes each array's `.zarray`.
@@ -63,9 +66,18 @@ class S3ArrayHandler(ocp.type_handlers.TypeHandler):
     def _spec(self, info: ocp.type_handlers.ParamInfo) -> dict:
         return {"driver": "zarr", "kvstore": storage.s3_kvstore(f"{info.parent_dir.as_posix()}/{info.name}")}
 
+    def _read_spec(self, info: ocp.type_handlers.ParamInfo) -> dict:
+        """Our own format, or Orbax's OCDBT one: a checkpoint saved on local disk or gs:// and
+        copied into the bucket (Orbax finds `manifest.ocdbt` and says so in `info`)."""
+        if not info.is_ocdbt_checkpoint:
+            return self._spec(info)
+        return {"driver": "zarr3" if info.use_zarr3 else "zarr",
+                "kvstore": {"driver": "ocdbt", "base": storage.s3_kvstore(info.parent_dir.as_posix()),
+                            "path": info.name}}
+
     async def _open(self, info: ocp.type_handlers.ParamInfo) -> ts.TensorStore:
         try:
-            return await ts.open(self._spec(info), open=True, read=True, context=self._context)
+            return await ts.open(self._read_spec(info), open=True, read=True, context=self._context)
         except ValueError as e:
             raise FileNotFoundError(f"array '{info.name}' of {info.parent_dir} cannot be opened: {e}") from e
 
@@ -139,8 +151,8 @@ class S3ArrayHandler(ocp.type_handlers.TypeHandler):
 
 
 class _Refuse(ocp.type_handlers.TypeHandler):
-    """Stands in for Orbax's numpy/scalar handlers on s3://, which would write to a local folder
-    named 's3:' (they build file-driver specs from the path): fail with the reason instead."""
+    """Stands in for Orbax's scalar handlers on s3://, which would write to a local folder named
+    's3:' (they build file-driver specs from the path): fail with the reason instead."""
 
     def __init__(self, typestr: str):
         self._typestr = typestr
@@ -162,11 +174,27 @@ class _Refuse(ocp.type_handlers.TypeHandler):
         self._fail(infos)
 
 
+class _ReadNumpy(S3ArrayHandler):
+    """numpy leaves on s3://: read (an `import-hf` checkpoint copied into a bucket holds them, in
+    Orbax's OCDBT format), never written (saving them is refused, as with `_Refuse`)."""
+
+    def typestr(self) -> str:
+        return "np.ndarray"
+
+    async def serialize(self, values, infos, args=None):
+        _Refuse(self.typestr())._fail(infos)
+
+
+def s3_type_handlers() -> dict[type, ocp.type_handlers.TypeHandler]:
+    """One handler for every leaf type Orbax supports: jax.Arrays through `S3ArrayHandler`, numpy
+    arrays read-only, the rest (scalars, strings) refused."""
+    own = {jax.Array: S3ArrayHandler(), np.ndarray: _ReadNumpy()}
+    return {t: own.get(t) or _Refuse(ocp.type_handlers.get_type_handler(t).typestr())
+            for t in ocp.type_handlers.supported_types()}
+
+
 def s3_pytree_handler() -> ocp.PyTreeCheckpointHandler:
-    """Orbax's PyTree handler for s3:// checkpoints: jax.Arrays through `S3ArrayHandler`; no OCDBT
-    (its per-process merge at the end opens the checkpoint through the file driver)."""
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (jax.Array, S3ArrayHandler()),
-        *((t, _Refuse(ocp.type_handlers.get_type_handler(t).typestr())) for t in ocp.type_handlers.supported_types()
-          if t is not jax.Array))
+    """Orbax's PyTree handler for s3:// checkpoints, with `s3_type_handlers`; no OCDBT writes (its
+    per-process merge at the end opens the checkpoint through the file driver)."""
+    registry = ocp.type_handlers.create_type_handler_registry(*s3_type_handlers().items())
     return ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
