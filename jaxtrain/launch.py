@@ -124,8 +124,9 @@ def _event_lines(output_dir: str | Path | None) -> list[str]:
     return (Path(output_dir) / "events.jsonl").read_text().splitlines()
 
 
-def blamed_process(output_dir: str | Path | None, since_line: int) -> int | None:
-    """The one process the run's own events blame for an exit 75, from line `since_line` on.
+def blamed_process(output_dir: str | Path | None, since_line: int = 0, since_time: float = 0.0) -> int | None:
+    """The one process the run's own events blame for an exit 75: events from line `since_line`
+    on, logged at UNIX time `since_time` or later.
 
     A `hang` event names the processes furthest behind (`behind`), a failed preflight the slow
     ones (`named`); exactly one is evidence against its node. None when no event blames, when it
@@ -135,6 +136,8 @@ def blamed_process(output_dir: str | Path | None, since_line: int) -> int | None
         try:
             event = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if event.get("time", 0.0) < since_time:
             continue
         blamed = event.get("behind") if event.get("kind") == "hang" else (
             event.get("named") if event.get("kind") == "preflight_failed" else None)
@@ -594,6 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print-shrink", action="store_true",
                         help="print the overrides that continue this job on one process fewer, and exit "
                              "(for SLURM/Kubernetes resizes; exit 1 with the reason when there are none)")
+    parser.add_argument("--print-blame", type=float, default=None, metavar="T",
+                        help="print the process that the run's events since UNIX time T blame for an exit 75 "
+                             "(a hang's process furthest behind, a failed preflight's slow one), and exit "
+                             "(for SLURM scripts; exit 1 when they blame no single process)")
     return parser
 
 
@@ -660,7 +667,8 @@ def main(argv: list[str]) -> int:
     Args:
       argv: the arguments after `launch`.
     Returns:
-      The exit code (see Supervisor.run); with --print-shrink 0 (overrides printed) or 1 (none exist).
+      The exit code (see Supervisor.run); with --print-shrink 0 (overrides printed) or 1 (none exist);
+      with --print-blame 0 (a process index printed) or 1 (nobody blamed).
     Raises:
       ConfigError: bad options or config (the CLI prints it and exits 2).
     """
@@ -676,6 +684,13 @@ def main(argv: list[str]) -> int:
     if not train_argv:
         raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
     train = child_command(train_argv, args.cpu_devices)
+    if args.print_blame is not None:
+        blamed = blamed_process(train.cfg.run.output_dir, since_time=args.print_blame)
+        if blamed is None:
+            print("jaxtrain launch: the run's events blame no single process", file=sys.stderr)
+            return 1
+        print(blamed)
+        return EXIT_OK
     devices = args.devices_per_process if args.devices_per_process is not None else train.cpu_devices
     if devices is not None and devices < 1:
         raise ConfigError(f"--devices-per-process must be at least 1, got {devices}")

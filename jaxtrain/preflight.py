@@ -39,22 +39,28 @@ from jaxtrain.hostcomm import LateAllGather
 MAX_ALL_PAIRS = 16  # beyond this many processes, only ring neighbours are paired (P*(P-1)/2 grows fast)
 
 
-def _best_time(fn: Callable[[], Any], repeats: int, slow_s: float = 0.0) -> float:
+def _best_time(fn: Callable[[], Any], repeats: int, slow_s: float = 0.0, min_total_s: float = 0.0) -> float:
+    """The fastest of at least `repeats` timed calls, repeated until `min_total_s` have passed.
+    Collectives must pass min_total_s=0: every process has to make the same number of calls."""
     jax.block_until_ready(fn())  # compile and warm up
-    best = float("inf")
-    for _ in range(repeats):
+    best, start, done = float("inf"), time.perf_counter(), 0
+    while done < repeats or time.perf_counter() - start < min_total_s:
         t = time.perf_counter()
         jax.block_until_ready(fn())
         time.sleep(slow_s)  # chaos.slow_process drill: this process looks slow
         best = min(best, time.perf_counter() - t)
+        done += 1
     return best
+
+
+MATMUL_MIN_S = 0.2  # per device: a best of 3 sub-millisecond matmuls was off by 40% on an idle CPU
 
 
 def matmul_tflops(device: jax.Device, n: int, repeats: int, slow_s: float = 0.0) -> float:
     dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x: x @ x)
-    return 2.0 * n ** 3 / _best_time(lambda: f(a), repeats, slow_s) / 1e12
+    return 2.0 * n ** 3 / _best_time(lambda: f(a), repeats, slow_s, MATMUL_MIN_S) / 1e12
 
 
 def _local_matmul_tflops(mesh: Mesh, n: int, repeats: int, slow_s: float, *, in_turns: bool,

@@ -12,7 +12,8 @@
 Leaving a failed node out (ISOLATE_AFTER: `srun --exclude` of the node, with the overrides of
 `jaxtrain launch --print-shrink`) needs two nodes: the script's logic for it runs here against
 stand-in `srun`/`squeue`/`scontrol` commands that play a 2-node allocation (no cluster needed); a
-real multi-node exclusion was not run. The drills need a running cluster: on a Debian/Ubuntu
+real multi-node exclusion was not run. So does the blame of an exit 75: a hang event of the attempt
+that names one task counts against that task's node; a plain exit 75 blames nobody. The drills need a running cluster: on a Debian/Ubuntu
 machine, `tpu_gpu_setup/slurm_local/start_local_slurm.sh` (as root) starts a one-node one.
 """
 
@@ -244,3 +245,43 @@ def test_a_requeued_job_keeps_its_isolated_node_out_of_the_new_allocation(tmp_pa
     calls = [line for line in (tmp_path / "log").read_text().splitlines() if line.startswith("scontrol ")]
     assert [c for c in calls if "show job" not in c][-2:] == [
         "scontrol requeue 4242", "scontrol update JobId=4242 ExcNodeList=node-b"], calls
+
+
+FAKE_EXIT_75_SRUN = r"""#!/bin/bash
+# Plays a 2-node step in which every task exits 75 ("restart me") until node-b is excluded. With
+# FAKE_HANG set, the run first logs a hang event that names process 1 (node-b) as furthest behind.
+{ printf 'ARGS'; printf ' %q' "$@"; echo; } >> "$FAKE_LOG"
+if [[ "$*" == *--exclude=node-b* ]]; then
+  echo "$(date +%s.%N) 0 node-a 0" >> "$JAXTRAIN_EXITS"; exit 0
+fi
+if [[ -n "${FAKE_HANG:-}" ]]; then
+  echo "{\"time\": $(date +%s.%N), \"step\": 3, \"kind\": \"hang\", \"process\": 0, \"behind\": [1]}" >> "$FAKE_EVENTS"
+fi
+echo "$(date +%s.%N) 0 node-a 75" >> "$JAXTRAIN_EXITS"
+echo "$(date +%s.%N) 1 node-b 75" >> "$JAXTRAIN_EXITS"
+exit 75
+"""
+
+
+@pytest.mark.parametrize("hang", [True, False])
+def test_a_node_the_runs_hang_events_blame_is_left_out_and_a_plain_exit_75_blames_nobody(tmp_path, hang):
+    """Exit 75 alone (a preemption) is no evidence against a node; a hang event of this attempt
+    naming one process is, as in `jaxtrain launch`. An older hang event (before the attempt) is not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"time": time.time() - 3600, "step": 1, "kind": "hang", "process": 0, "behind": [1]}
+    (run / "events.jsonl").write_text(json.dumps(old) + "\n")
+    env = fake_slurm(tmp_path, FAKE_EXIT_75_SRUN)
+    env.update({"JAX_PLATFORMS": "cpu", "FAKE_EVENTS": str(run / "events.jsonl"), **({"FAKE_HANG": "1"} if hang else {})})
+    r = subprocess.run(["bash", str(SBATCH), str(TINY), "data.global_batch_size=8", f"run.output_dir={run}",
+                        "--cpu-devices", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    if hang:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "first failure: task 1 on node node-b (exit 75, blamed by the run's events; 1 attempt(s) in a row)" \
+            in r.stdout
+        assert "(exit 75, blamed by the run's events; 2 attempt(s) in a row)" in r.stdout
+        assert "isolating node node-b: continuing on 1 node(s) with mesh.data=-1 train.grad_accum=2" in r.stdout
+    else:
+        assert r.returncode == 75, r.stdout + r.stderr
+        assert r.stdout.count("first failure: task 0 on node node-a (exit 75; 0 attempt(s) in a row)") == 3
+        assert "isolating" not in r.stdout and "blamed" not in r.stdout and "requeueing" in r.stdout
