@@ -272,7 +272,9 @@ def test_a_node_the_runs_hang_events_blame_is_left_out_and_a_plain_exit_75_blame
     old = {"time": time.time() - 3600, "step": 1, "kind": "hang", "process": 0, "behind": [1]}
     (run / "events.jsonl").write_text(json.dumps(old) + "\n")
     env = fake_slurm(tmp_path, FAKE_EXIT_75_SRUN)
-    env.update({"JAX_PLATFORMS": "cpu", "FAKE_EVENTS": str(run / "events.jsonl"), **({"FAKE_HANG": "1"} if hang else {})})
+    env.update({"JAX_PLATFORMS": "cpu", "FAKE_EVENTS": str(run / "events.jsonl")})
+    if hang:
+        env["FAKE_HANG"] = "1"
     r = subprocess.run(["bash", str(SBATCH), str(TINY), "data.global_batch_size=8", f"run.output_dir={run}",
                         "--cpu-devices", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     if hang:
