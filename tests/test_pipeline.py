@@ -226,6 +226,7 @@ def test_iteration_remat_bounds_pipeline_memory(inspect_json, monkeypatch):
         with_remat, without["memory_bytes_per_device"])
 
 
+@pytest.mark.slow
 def test_checkpoint_is_layout_free(tmp_path):
     """Checkpoints restore under any schedule, both ways, with the whole train state (Adam moments,
     step, rng, ...) bitwise: saved at step 2 with stage=2 GPipe, restored with stage=1 and with
