@@ -2,7 +2,9 @@
 
 Each tiny LlamaForCausalLM is random (norm scales too, so a misplaced tensor shows), saved with
 `save_pretrained`, converted through the real CLI entry (`jaxtrain.cli.main`), and compared by
-logits on the same tokens. transformers is a test-only dependency (the `dev` extra).
+logits on the same tokens. transformers is a test-only dependency (the `dev` extra). The file runs
+under transformers 5.x (what the `dev` extra installs) and 4.x (checked by hand with 4.57: the
+tiny models are then saved in 4.x's config layout, and 4.x loads what export-hf writes).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+import transformers
 import yaml
 from flax import nnx
 from safetensors.numpy import load_file
@@ -39,6 +42,16 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 160))  # past original_
 # Neither jaxtrain's default norm_eps (1e-5) nor transformers' (1e-6, the importer's fallback when
 # the field is absent): a field that was not mapped would not go unnoticed.
 RMS_EPS = 3e-6
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def rope_config(rope: dict) -> dict:
+    """LlamaConfig keywords for `rope`: 5.x takes `rope_parameters`, 4.x `rope_theta` and
+    `rope_scaling` (a keyword it does not know would be kept as an attribute and ignored)."""
+    if TRANSFORMERS_5:
+        return {"rope_parameters": rope}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": None if rope["rope_type"] == "default" else scaling}
 TRAIN = ["model.attention=xla", "data.source=markov", "data.seq_len=32", "data.global_batch_size=8",
          "train.steps=3", "train.log_every=1", "optim.warmup_steps=0", "optim.learning_rate=0.01",
          "checkpoint.compilation_cache_dir=null"]
@@ -52,7 +65,7 @@ def make_hf(path: Path, *, tied: bool = False, rope: dict | None = None, dtype: 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          rms_norm_eps=RMS_EPS, tie_word_embeddings=tied,
-                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 5000.0}, **extra)
+                         **rope_config(rope or {"rope_type": "default", "rope_theta": 5000.0}), **extra)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -158,7 +171,7 @@ def test_llama3_rotary_equals_transformers():
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     config = LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=131072,
-                         rope_parameters=rope)
+                         **rope_config(rope))
     positions = np.array([[0, 1, 7, 100, 2047, 9000, 70000, 131071]])
     x = np.random.default_rng(1).standard_normal((1, 8, 2, 128)).astype(np.float32)
     emb = LlamaRotaryEmbedding(config)
@@ -253,9 +266,10 @@ def test_round_trip_fp32_is_bitwise_and_keeps_config_and_tokenizer(plain, tmp_pa
     for name in source:
         assert back[name].dtype == np.float32 and back[name].tobytes() == source[name].tobytes(), name
     a, b = json.loads((plain / "config.json").read_text()), json.loads((exported / "config.json").read_text())
+    own_layout = ("rope_parameters",) if TRANSFORMERS_5 else ("rope_theta", "rope_scaling")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                "rope_parameters", "hidden_act", "bos_token_id", "eos_token_id", "dtype", "model_type"):
+                "hidden_act", "bos_token_id", "eos_token_id", "dtype", "model_type", *own_layout):
         assert a[key] == b[key], key
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (exported / name).read_bytes() == (plain / name).read_bytes()
@@ -302,34 +316,38 @@ def test_transformers_4_and_5_config_layouts_both_load(tmp_path):
     # whose rope_theta was not read would import with the wrong rotary frequencies.
     theta = 40000.0
     rope = dict(LLAMA3, rope_theta=theta)
-    src5 = make_hf(tmp_path / "v5", rope=rope)
-    hf5 = json.loads((src5 / "config.json").read_text())
-    assert "rope_parameters" in hf5 and "rope_theta" not in hf5  # transformers 5 writes this layout
-    # transformers 4.x layout, as Llama 3.1's own config.json: top-level rope_theta and rope_scaling.
-    hf4 = {k: v for k, v in hf5.items() if k not in ("rope_parameters", "dtype")}
-    hf4.update(rope_theta=theta, torch_dtype="float32", rope_scaling={k: v for k, v in rope.items()
-                                                                       if k != "rope_theta"})
-    src4 = tmp_path / "v4"
-    shutil.copytree(src5, src4)
-    (src4 / "config.json").write_text(json.dumps(hf4))
+    native = make_hf(tmp_path / "native", rope=rope)  # saved by the installed transformers
+    saved = json.loads((native / "config.json").read_text())
+    assert ("rope_parameters" in saved) == TRANSFORMERS_5 and ("rope_theta" in saved) != TRANSFORMERS_5
+    base = {k: v for k, v in saved.items() if k not in ("rope_parameters", "rope_theta", "rope_scaling", "dtype",
+                                                        "torch_dtype")}
+    # transformers 5.x layout: rope_parameters. 4.x layout, as Llama 3.1's own config.json:
+    # top-level rope_theta and rope_scaling.
+    hf5 = dict(base, dtype="float32", rope_parameters=rope)
+    hf4 = dict(base, torch_dtype="float32", rope_theta=theta,
+               rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"})
+    src5, src4 = tmp_path / "v5", tmp_path / "v4"
+    for src, hf in ((src5, hf5), (src4, hf4)):
+        shutil.copytree(native, src)
+        (src / "config.json").write_text(json.dumps(hf))
     # Older 4.x files spell the type as `type` and may leave out original_max_position_embeddings.
     legacy = dict(hf4, max_position_embeddings=64,
                   rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})
     src_legacy = tmp_path / "legacy"
-    shutil.copytree(src5, src_legacy)
+    shutil.copytree(native, src_legacy)
     (src_legacy / "config.json").write_text(json.dumps(legacy))
     models = []
     for src in (src5, src4, src_legacy):
         out = tmp_path / f"imported-{src.name}"
         assert run_cli("import-hf", src, "--output", out) == 0
         models.append(load_config(out / "config.yaml").model)
-        if src is not src_legacy:
-            np.testing.assert_allclose(jax_logits(out), hf_logits(src), atol=1e-4, rtol=0)
+        if src is not src_legacy:  # transformers reads only its own version's layout: compare with that
+            np.testing.assert_allclose(jax_logits(out), hf_logits(native), atol=1e-4, rtol=0)
     assert models[0] == models[1] and models[1].rope_theta == theta and models[1].norm_eps == RMS_EPS
     assert models[2] == models[0].__class__(**{**models[0].__dict__, "max_seq_len": 64})
     # The theta matters to these logits: at the fallback they are clearly different.
     out4 = tmp_path / f"imported-{src4.name}"
-    assert np.abs(jax_logits(out4, ("model.rope_theta=10000.0",)) - hf_logits(src4)).max() > 1e-2
+    assert np.abs(jax_logits(out4, ("model.rope_theta=10000.0",)) - hf_logits(native)).max() > 1e-2
 
 
 # ----------------------------------------------------------------------------- refusals
