@@ -114,7 +114,8 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_results", help="results directory (default $OUT)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_results",
+                        help="results directory (default $OUT, else gpu_results/)")
     parser.add_argument("--budget-s", type=float, default=190.0, help="start no new implementation after this")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (x 4096 tokens)")
     parser.add_argument("--steps", type=int, default=8, help="steps per implementation (the last two but one are profiled)")

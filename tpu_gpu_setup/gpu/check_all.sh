@@ -7,7 +7,7 @@
 #   4. gpu-1b: configs/llama3-1b.yaml on this one GPU, bf16, sequence 4096, with cudnn, triton and
 #      xla attention while the budget lasts: tokens/s, MFU and the profile split
 #      (bench_gpu_1b.py, ~3-4 min).
-# Results (JSON + markdown + logs) go to $OUT when set, else /tmp/gpu_results/<time>/.
+# Results (JSON + markdown + logs) go to $OUT when set, else gpu_results/<time>/ in the checkout.
 #
 #   # here, once, with network (jax-triton is not on the lent GPU machine; see check_attention.md):
 #   echo /.whl/ >> .git/info/exclude && tpu_gpu_setup/gpu/install.sh --download-wheels
@@ -31,12 +31,12 @@
 #   JAXTRAIN_GPU_CHECK_TOTAL_S  the whole script's budget in seconds (default 400)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/gpu_results/$(date +%Y%m%d_%H%M%S)}
+OUT=${OUT:-$PWD/gpu_results/$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
 PY=${JAXTRAIN_GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 WHEELS=${JAXTRAIN_GPU_CHECK_WHEELS:-.whl}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-$PWD/.gpu_site}
 TOTAL_S=${JAXTRAIN_GPU_CHECK_TOTAL_S:-400}
 KILL_AFTER_S=5  # after SIGTERM, SIGKILL this much later (a process stuck in a CUDA call may ignore TERM)
 failed=0

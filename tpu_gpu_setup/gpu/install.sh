@@ -14,10 +14,10 @@
 #   tpu_gpu_setup/gpu/install.sh --download-wheels          # jax-triton 0.3.1, pure Python
 #   #    more wheels for the Python 3.12 target if the check below reports them missing, e.g.:
 #   EXTRA_WHEELS="grain tokenizers tensorboardX" tpu_gpu_setup/gpu/install.sh --download-wheels
-#   # 2. there, from the checkout: wheels into $SITE (default /tmp/site), nothing else installed;
+#   # 2. there, from the checkout: wheels into $SITE (default .gpu_site in the checkout), nothing else installed;
 #   #    the preinstalled CUDA 13 jax stays (the `gpu` extra would ask for jax[cuda12]):
 #   tpu_gpu_setup/gpu/install.sh --offline
-#   export PYTHONPATH=/tmp/site:$PWD                          # as the script prints
+#   export PYTHONPATH=$PWD/.gpu_site:$PWD                         # as the script prints
 #   python3 -m jaxtrain.cli train --config configs/llama3-1b.yaml
 #
 # Both end with a check of every runtime import and the devices JAX sees. Then:
@@ -41,7 +41,7 @@ case "${1:-}" in
     exit 0 ;;
   --offline)
     wheels=${2:-.whl}
-    SITE=${SITE:-/tmp/site}
+    SITE=${SITE:-$PWD/.gpu_site}
     shopt -s nullglob
     whl=("$wheels"/*.whl)
     (( ${#whl[@]} )) || { echo "install.sh: no wheels in $wheels (run --download-wheels first)" >&2; exit 2; }

@@ -21,8 +21,9 @@ if ! gcloud compute tpus tpu-vm describe "$TPU_NAME" --zone "$ZONE" >/dev/null 2
 fi
 
 # The committed code (git archive: no runs/, no local venvs), copied to every worker.
-git archive --format=tar.gz -o /tmp/jaxtrain.tar.gz HEAD
-gcloud compute tpus tpu-vm scp /tmp/jaxtrain.tar.gz "$TPU_NAME":~/jaxtrain.tar.gz --zone "$ZONE" --worker=all
+archive=$(mktemp --suffix=.tar.gz)
+git archive --format=tar.gz -o "$archive" HEAD
+gcloud compute tpus tpu-vm scp "$archive" "$TPU_NAME":~/jaxtrain.tar.gz --zone "$ZONE" --worker=all
 
 # On every worker: uv provides the Python version, jax[tpu] brings libtpu.
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command "
