@@ -150,6 +150,11 @@ class S3ArrayHandler(ocp.type_handlers.TypeHandler):
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def _refused(typestr: str, infos: Sequence[ocp.type_handlers.ParamInfo]) -> TypeError:
+    return TypeError(f"'{infos[0].name}': s3:// checkpoints hold jax.Array leaves only ({typestr} is not "
+                     "supported there); put it on a device with jax.device_put, or save to gs:// or disk")
+
+
 class _Refuse(ocp.type_handlers.TypeHandler):
     """Stands in for Orbax's scalar handlers on s3://, which would write to a local folder named
     's3:' (they build file-driver specs from the path): fail with the reason instead."""
@@ -160,18 +165,14 @@ class _Refuse(ocp.type_handlers.TypeHandler):
     def typestr(self) -> str:
         return self._typestr
 
-    def _fail(self, infos: Sequence[ocp.type_handlers.ParamInfo]) -> None:
-        raise TypeError(f"'{infos[0].name}': s3:// checkpoints hold jax.Array leaves only ({self._typestr} is "
-                        "not supported there); put it on a device with jax.device_put, or save to gs:// or disk")
-
     async def metadata(self, infos):
-        self._fail(infos)
+        raise _refused(self._typestr, infos)
 
     async def serialize(self, values, infos, args=None):
-        self._fail(infos)
+        raise _refused(self._typestr, infos)
 
     async def deserialize(self, infos, args=None):
-        self._fail(infos)
+        raise _refused(self._typestr, infos)
 
 
 class _ReadNumpy(S3ArrayHandler):
@@ -182,7 +183,7 @@ class _ReadNumpy(S3ArrayHandler):
         return "np.ndarray"
 
     async def serialize(self, values, infos, args=None):
-        _Refuse(self.typestr())._fail(infos)
+        raise _refused(self.typestr(), infos)
 
 
 def s3_type_handlers() -> dict[type, ocp.type_handlers.TypeHandler]:
