@@ -262,9 +262,7 @@ def test_a_checkpoint_copied_from_disk_into_s3_restores_there(servers, tmp_path)
     with Checkpointer(str(local), cfg()) as ck:
         ck.save(3, to_device(host_state(seed=3), mesh_of(2, 2, 2)), {"step": 3})
     url = f"s3://{BUCKET}/copied/checkpoints"
-    fs = storage.filesystem(url)
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        fs.put_file(str(path), f"{url}/{path.relative_to(local).as_posix()}")
+    copy_to_bucket(local, url)
     assert any(o.endswith("/3/state/manifest.ocdbt") for o in objects(url))
     ck = Checkpointer(url, cfg())
     assert ck.latest_step() == 3
@@ -272,7 +270,10 @@ def test_a_checkpoint_copied_from_disk_into_s3_restores_there(servers, tmp_path)
     state, extra = ck.restore(3, abstract(host_state(0), four))
     assert matches(state, host_state(seed=3)) and extra == {"step": 3}
     assert state["params"]["layers"]["w"].sharding.mesh.devices.size == 4
-    # numpy leaves (what import-hf writes) are read there, but writing them stays refused by name
+
+
+def test_s3_refuses_to_write_numpy_and_scalar_leaves_by_name(tmp_path):
+    """numpy leaves (what import-hf writes) are read from s3://, but never written there."""
     import asyncio
 
     import orbax.checkpoint as ocp
@@ -468,12 +469,12 @@ def test_orbax_and_tensorstore_are_pinned_to_a_tested_range():
 # ----------------------------------------------------------------------------- export-hf from a bucket
 
 
-def _to_bucket(imported: Path, url: str) -> None:
-    """An import-hf directory copied file by file into the bucket, as `aws s3 cp --recursive` or
+def copy_to_bucket(local: Path, url: str) -> None:
+    """A local folder copied file by file into the bucket, as `aws s3 cp --recursive` or
     `gsutil cp -r` would."""
     fs = storage.filesystem(url)
-    for path in sorted(p for p in imported.rglob("*") if p.is_file()):
-        fs.put_file(str(path), f"{url}/{path.relative_to(imported).as_posix()}")
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        fs.put_file(str(path), f"{url}/{path.relative_to(local).as_posix()}")
 
 
 def _hf_source(path: Path) -> Path:
@@ -508,7 +509,7 @@ def test_export_hf_reads_a_run_directory_in_a_bucket(servers, scheme, tmp_path, 
     local = tmp_path / "imported"
     assert cli.main(["import-hf", str(src), "--output", str(local)]) == 0
     url = f"{scheme}://{BUCKET}/hf-export"
-    _to_bucket(local, url)
+    copy_to_bucket(local, url)
     shutil.rmtree(local)  # its config.yaml points at local tokenizer/init_from paths: now all from the bucket
     out = tmp_path / "exported"
     capsys.readouterr()

@@ -13,8 +13,8 @@ Leaving a failed node out (ISOLATE_AFTER: `srun --exclude` of the node, with the
 `jaxtrain launch --print-shrink`) needs two nodes: the script's logic for it runs here against
 stand-in `srun`/`squeue`/`scontrol` commands that play a 2-node allocation (no cluster needed); a
 real multi-node exclusion was not run. So does the blame of an exit 75: a hang event of the attempt
-that names one task counts against that task's node; a plain exit 75 blames nobody. The drills need a running cluster: on a Debian/Ubuntu
-machine, `tpu_gpu_setup/slurm_local/start_local_slurm.sh` (as root) starts a one-node one.
+that names one task counts against that task's node; a plain exit 75 blames nobody. The drills
+need a running cluster: on a Debian/Ubuntu machine, `tpu_gpu_setup/slurm_local/start_local_slurm.sh` (as root) starts a one-node one.
 """
 
 from __future__ import annotations
