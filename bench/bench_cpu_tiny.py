@@ -55,10 +55,10 @@ def matmul_shapes(cfg) -> list[tuple[str, int, int, int, int, int]]:
     out[batch, M, N] = a[batch, M, K] @ b[batch, K, N]. Per layer weight [I, O] over T tokens:
     forward (T, I, O), input gradient (T, O, I), weight gradient (I, T, O). XLA attention computes
     the whole L x L score matrix (causal masking is a select): QK^T, PV and their four gradients.
-    The head runs chunked (jaxtrain/loss.py): per chunk of R = B x C rows, logits (R, D, V),
+    The head runs chunked (jaxtrain/model/loss.py): per chunk of R = B x C rows, logits (R, D, V),
     dx (R, V, D) and dW (D, R, V).
     """
-    from jaxtrain.loss import chunk_length
+    from jaxtrain.model.loss import chunk_length
     m, d = cfg.model, cfg.data
     B, L, D, F, V = d.global_batch_size, d.seq_len, m.d_model, m.mlp_dim, m.vocab_size
     N, K, H, layers = m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
@@ -96,8 +96,8 @@ def time_matmul(batch: int, M: int, K: int, N: int, repeats: int = 5) -> float:
 
 def bounds(cfg, trainer, peak: float, step_time: float) -> dict:
     """Matmul floor of the step at standalone speeds, and the profiler's split of the real step."""
-    from jaxtrain.profiling import StepProfiler, summarize
-    from jaxtrain.throughput import flops_per_step
+    from jaxtrain.observe.profiling import StepProfiler, summarize
+    from jaxtrain.observe.throughput import flops_per_step
     rows, floor, matmul_flops = [], 0.0, 0.0
     for what, count, batch, M, K, N in matmul_shapes(cfg):
         t = time_matmul(batch, M, K, N)
@@ -139,7 +139,7 @@ def main() -> None:
 
     import jax
     from jaxtrain.config import load_config
-    from jaxtrain.throughput import flops_per_step, measure_matmul_peak
+    from jaxtrain.observe.throughput import flops_per_step, measure_matmul_peak
     from jaxtrain.trainer import Trainer
 
     cfg = load_config(REPO / "configs/bench/cpu-tiny.yaml", ["checkpoint.compilation_cache_dir=null", *args.overrides])

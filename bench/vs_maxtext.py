@@ -19,7 +19,7 @@ round) and measures:
     moves less than wall time when other jobs share the cores;
   - the load average before each run. Speed claims need a quiet machine (load ~1 before a run,
     nothing else running); under load the ratio swings 0.7-2x (DESIGN §6).
-Model FLOPs for BOTH sides come from `jaxtrain.throughput.flops_per_step` on cpu-tiny;
+Model FLOPs for BOTH sides come from `jaxtrain.observe.throughput.flops_per_step` on cpu-tiny;
 MFU = model FLOP/s / the best plain jitted fp32 1024^2 matmul measured in the run (jaxtrain
 measures its own at start-up, logged in events.jsonl; MaxText's is measured with its venv's jax
 right before each of its runs).
@@ -291,7 +291,7 @@ def main() -> None:
         parser.error("need --skip < --short < --long")
 
     from jaxtrain.config import load_config
-    from jaxtrain.throughput import flops_per_step
+    from jaxtrain.observe.throughput import flops_per_step
 
     cfg = load_config(CPU_TINY, [])
     flops = flops_per_step(cfg)

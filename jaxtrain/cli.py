@@ -46,7 +46,7 @@ def _start_jax(cpu_devices: int | None) -> None:
     if "jax" not in sys.modules:  # flags are read when the backend starts: too late in a notebook
         _set_cpu_flags(cpu_devices)
     _set_cpu_devices(cpu_devices)
-    from jaxtrain import distributed
+    from jaxtrain.launch import distributed
     distributed.initialize()
 
 
@@ -76,7 +76,7 @@ def _inspect(argv: list[str]) -> int:
     args = parse(p, argv)
     cfg = load_config(args.config, args.overrides)
     _start_jax(args.cpu_devices)
-    from jaxtrain.inspection import format_report, inspect_report
+    from jaxtrain.observe.inspection import format_report, inspect_report
     report = inspect_report(cfg)
     print(json.dumps(report) if args.json else format_report(report, per_parameter=args.parameters))
     return EXIT_OK
@@ -93,14 +93,14 @@ def _passthrough(module: str):
 COMMANDS = {
     "train": (_train, "train (one process per host); resumes from the run directory"),
     "inspect": (_inspect, "compile the step from shapes alone; report FLOPs, memory and collectives"),
-    "launch": (_passthrough("jaxtrain.launch"), "start and supervise several local processes of one job"),
+    "launch": (_passthrough("jaxtrain.launch.supervisor"), "start and supervise several local processes of one job"),
     "prepare-data": (_passthrough("jaxtrain.data.prepare"), "tokenize text/jsonl files into token files"),
     "checkpoints": (_passthrough("jaxtrain.checkpoint"), "list the checkpoints of a run directory"),
-    "preflight": (_passthrough("jaxtrain.preflight"), "measure every process's devices and links; name the bad ones"),
-    "profile-summary": (_passthrough("jaxtrain.profiling"), "split a run's profiled steps into compute, collectives and waits"),
+    "preflight": (_passthrough("jaxtrain.fault.preflight"), "measure every process's devices and links; name the bad ones"),
+    "profile-summary": (_passthrough("jaxtrain.observe.profiling"), "split a run's profiled steps into compute, collectives and waits"),
     "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),
     "export-hf": (_passthrough("jaxtrain.hf.exporter"), "write a run's parameters as a Hugging Face Llama checkpoint"),
-    "goodput": (_passthrough("jaxtrain.goodput"), "where a run's wall time went: productive steps, start-up, restarts, ..."),
+    "goodput": (_passthrough("jaxtrain.observe.goodput"), "where a run's wall time went: productive steps, start-up, restarts, ..."),
 }
 
 

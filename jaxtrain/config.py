@@ -1,7 +1,7 @@
 """Typed configuration: YAML files plus `dotted.key=value` overrides, validated in two phases.
 
 Phase 1 (`load_config`) checks what is knowable from the text alone: keys, types, choices and
-model shape rules. Phase 2 (`jaxtrain.mesh.validate_against_devices`) runs after distributed
+model shape rules. Phase 2 (`jaxtrain.parallel.mesh.validate_against_devices`) runs after distributed
 init, when the device count is known, and before anything is written to disk.
 
 Every user error raises `ConfigError`; the CLI turns it into one stderr line and exit code 2.
@@ -68,7 +68,7 @@ DEFAULT_RULES: dict = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
-    "layers": "stage",  # the stacked layers: pipeline stages split them (jaxtrain/pipeline.py)
+    "layers": "stage",  # the stacked layers: pipeline stages split them (jaxtrain/parallel/pipeline.py)
     "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
 }
 
@@ -145,7 +145,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    """Compute precision and fp16's dynamic loss scaling (jaxtrain/precision.py)."""
+    """Compute precision and fp16's dynamic loss scaling (jaxtrain/train/precision.py)."""
 
     policy: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute dtype; parameters and optimizer state stay fp32
     loss_scale_init: float = 32768.0  # fp16: the first loss scale (2**15)
@@ -157,7 +157,7 @@ class PrecisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StabilityConfig:
-    """Spike detection in the step, automatic rollback on the host (jaxtrain/stability.py)."""
+    """Spike detection in the step, automatic rollback on the host (jaxtrain/train/stability.py)."""
 
     guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
     window: int = 100  # steps the running loss/grad-norm statistics span, and the window for max_spikes
@@ -185,7 +185,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FaultConfig:
-    """Noticing failures: hang watchdog, stragglers, preflight health check (jaxtrain/watchdog.py,
+    """Noticing failures: hang watchdog, stragglers, preflight health check (jaxtrain/fault/watchdog.py,
     stragglers.py, preflight.py)."""
 
     hang_timeout_s: float = 600.0  # no step finished for this long -> stacks dumped, `hang` event, exit 75 (0 = off)

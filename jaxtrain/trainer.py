@@ -7,7 +7,7 @@ Usable whole (`Trainer(cfg).fit()`) or step by step from a notebook:
     model = trainer.model()           # an nnx.Module holding a copy of the current parameters
 
 Order of work (abstract first, nothing built unsharded): phase-2 checks -> mesh -> state layout
-(shapes and shardings, `jaxtrain.state`) -> data -> restore-or-init directly into those
+(shapes and shardings, `jaxtrain.train.state`) -> data -> restore-or-init directly into those
 shardings -> compile the step once -> loop.
 
 The loop itself is wiring. Each step: queue it on the device, then read the previous step's
@@ -31,28 +31,29 @@ import numpy as np
 from flax import nnx
 
 import kernels
-from jaxtrain import __version__, pipeline
-from jaxtrain.chaos import Chaos, restart_attempt
+from jaxtrain import __version__
+from jaxtrain.parallel import pipeline
+from jaxtrain.fault.chaos import Chaos, restart_attempt
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
-from jaxtrain.evaluation import Evaluator, PendingEval
+from jaxtrain.train.evaluation import Evaluator, PendingEval
 from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART
-from jaxtrain.mesh import build_mesh, validate_against_devices
-from jaxtrain.model import Transformer
-from jaxtrain.paths import is_remote, join
-from jaxtrain.preemption import HostSync, StopSignals
-from jaxtrain.runlog import RunLog
-from jaxtrain.sharding import check_attention_layout, global_batch
-from jaxtrain.preflight import run_preflight
-from jaxtrain.profiling import StepProfiler
-from jaxtrain.stability import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
-from jaxtrain.storage import check_access
-from jaxtrain.stragglers import Stragglers, job_hosts
-from jaxtrain.state import State, build_layout
-from jaxtrain.step import BATCH_KEYS
-from jaxtrain.throughput import Throughput, flops_per_step, peak_flops_per_device
-from jaxtrain.watchdog import Watchdog
+from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
+from jaxtrain.model.llama import Transformer
+from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.fault.preemption import HostSync, StopSignals
+from jaxtrain.observe.runlog import RunLog
+from jaxtrain.parallel.sharding import check_attention_layout, global_batch
+from jaxtrain.fault.preflight import run_preflight
+from jaxtrain.observe.profiling import StepProfiler
+from jaxtrain.train.stability import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
+from jaxtrain.checkpoint.storage import check_access
+from jaxtrain.fault.stragglers import Stragglers, job_hosts
+from jaxtrain.train.state import State, build_layout
+from jaxtrain.train.step import BATCH_KEYS
+from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
+from jaxtrain.fault.watchdog import Watchdog
 
 
 def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int]) -> str:

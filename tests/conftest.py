@@ -1,6 +1,11 @@
 """Every test runs on the CPU with 8 simulated devices (set before JAX is imported)."""
 
 import os
+import sys
+
+# Tests live in one folder per part of the system (tests/fault/, tests/parallel/, ...); the
+# helpers they share (trees.py, storage_servers.py, independent_attention.py) stay here.
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

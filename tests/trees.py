@@ -60,7 +60,7 @@ def final_params(run_dir: Path) -> dict:
 
     from jaxtrain.checkpoint import restore_params_only
     from jaxtrain.config import load_config
-    from jaxtrain.model import Transformer
+    from jaxtrain.model.llama import Transformer
 
     cfg = load_config(Path(run_dir) / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
     abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])

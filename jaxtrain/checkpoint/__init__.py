@@ -3,7 +3,9 @@
 Where things live: `checkpointer.py` (the Checkpointer: save/restore/retention/events),
 `layout.py` (on-disk format, commit marker, discovery, `jaxtrain checkpoints DIR`),
 `multihost.py` (barriers that name missing processes), `compilation_cache.py` (fast restart),
-`s3_arrays.py` (jax.Array leaves on s3://, which Orbax 0.12 cannot route; see there).
+`s3_arrays.py` (jax.Array leaves on s3://, which Orbax 0.12 cannot route; see there),
+`storage.py` (bucket clients, access checks, atomic small-file writes) and `paths.py` (local
+paths and gs:// / s3:// URLs alike).
 
 The trainer owns one `Checkpointer` per run directory and calls it from every process, in the
 same order (each method is collective):
@@ -19,7 +21,7 @@ same order (each method is collective):
     ckpt.wait()                                  # before exit: the last save is committed
 
 Layout of `directory` (a local path, gs://bucket/... or s3://bucket/...; the bucket and the
-credentials are checked when the Checkpointer is made, see `jaxtrain.storage.check_access`):
+credentials are checked when the Checkpointer is made, see `jaxtrain.checkpoint.storage.check_access`):
 
     <step>/                      one folder per checkpoint, named by the step (Orbax's own naming)
       state/                     the array pytree: OCDBT/zarr, one ocdbt.process_<i>/ per writer
@@ -58,12 +60,25 @@ Failure windows (what a kill, or a lost host, at each moment leaves behind):
      and the error is raised by the next `save()`/`wait()` so the job can be restarted.
 """
 
-from jaxtrain.checkpoint.checkpointer import (Checkpointer, CheckpointError, EventFn, all_finite,
-                                              restore_params_only)
-from jaxtrain.checkpoint.compilation_cache import enable_compilation_cache
-from jaxtrain.checkpoint.layout import MARKER, check_checkpoint, is_local, list_checkpoints, main, to_path
-from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier
+import importlib
 
-__all__ = ["Checkpointer", "CheckpointError", "BarrierTimeoutError", "EventFn", "all_finite", "barrier",
-           "check_checkpoint", "enable_compilation_cache", "is_local", "list_checkpoints", "main",
-           "restore_params_only", "to_path", "MARKER"]
+# Exported names -> the module that owns them. Imported on first use: `paths.py` and `storage.py`
+# (URL helpers, bucket clients) are used by the launcher and the run logs, which must not pull in
+# Orbax and JAX with them.
+_EXPORTS = {
+    "Checkpointer": "checkpointer", "CheckpointError": "checkpointer", "EventFn": "checkpointer",
+    "all_finite": "checkpointer", "restore_params_only": "checkpointer",
+    "enable_compilation_cache": "compilation_cache",
+    "MARKER": "layout", "check_checkpoint": "layout", "is_local": "layout", "list_checkpoints": "layout",
+    "main": "layout", "to_path": "layout",
+    "BarrierTimeoutError": "multihost", "barrier": "multihost",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxtrain.checkpoint' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"jaxtrain.checkpoint.{_EXPORTS[name]}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -21,7 +21,7 @@ from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, fsync_
                                         list_files, scan, to_path, write_atomic)
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client as _client
 from jaxtrain.config import CheckpointConfig, ConfigError
-from jaxtrain.storage import check_access, split_url
+from jaxtrain.checkpoint.storage import check_access, split_url
 
 EventFn = Callable[..., None]  # on_event(kind: str, step: int, **details)
 

@@ -16,8 +16,8 @@ from etils import epath
 from jaxtrain.arguments import Parser
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_USAGE
-from jaxtrain.paths import is_remote
-from jaxtrain.storage import check_access, filesystem
+from jaxtrain.checkpoint.paths import is_remote
+from jaxtrain.checkpoint.storage import check_access, filesystem
 
 MARKER = "commit.json"
 FORMAT = "jaxtrain-checkpoint/1"

@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jaxtrain import storage
+from jaxtrain.checkpoint import storage
 
 _MAX_CHUNK_BYTES = 256 * 2**20  # one object per chunk: far below S3's 5 GB single-PUT limit, and
 # small enough that a big replicated array is written as several concurrent requests.

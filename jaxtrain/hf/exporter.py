@@ -18,12 +18,12 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from jaxtrain import storage
+from jaxtrain.checkpoint import storage
 from jaxtrain.config import Config, ConfigError, from_dict, load_config
 from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, refuse_url,
                                writing, write_safetensors)
 from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors_from_params
-from jaxtrain.paths import is_remote, join
+from jaxtrain.checkpoint.paths import is_remote, join
 
 
 def _parent(folder: str) -> Optional[str]:
@@ -80,7 +80,7 @@ def _restore_params(run_dir: str, cfg: Config, step: Optional[int]) -> tuple[dic
 
     from jaxtrain.checkpoint import check_checkpoint, restore_params_only
     from jaxtrain.checkpoint.layout import latest_good, scan, to_path
-    from jaxtrain.model import Transformer
+    from jaxtrain.model.llama import Transformer
 
     root = to_path(join(run_dir, "checkpoints"))
     if step is None:

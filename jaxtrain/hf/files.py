@@ -15,10 +15,10 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 
-from jaxtrain import storage
+from jaxtrain.checkpoint import storage
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.hf.mapping import hf_shapes
-from jaxtrain.paths import is_remote, join
+from jaxtrain.checkpoint.paths import is_remote, join
 
 HF_CONFIG = "hf_config.json"  # the source's config.json, kept beside an import
 # Tokenizer (and generation) files copied through on import and export when present.

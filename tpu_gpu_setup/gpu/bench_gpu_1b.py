@@ -57,7 +57,7 @@ def overrides(implementation: str, out_dir: Path, batch: int, steps: int, cpu: b
 def run_one(implementation: str, out_dir: Path, batch: int, steps: int, cpu: bool) -> dict:
     """Train `steps` steps with one attention implementation; tokens/s, MFU and the profile split."""
     from jaxtrain.config import load_config
-    from jaxtrain.profiling import summarize
+    from jaxtrain.observe.profiling import summarize
     from jaxtrain.trainer import Trainer
 
     cfg = load_config(CONFIG, overrides(implementation, out_dir, batch, steps, cpu))
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     from jaxtrain.config import load_config
-    from jaxtrain.throughput import peak_flops_per_device
+    from jaxtrain.observe.throughput import peak_flops_per_device
     cfg = load_config(CONFIG, overrides(implementations[0], out_dir, batch, args.steps, args.cpu))
     peak, source = peak_flops_per_device(device, cfg.precision.policy)
     meta = {"device": device.device_kind, "jax": jax.__version__, "python": platform.python_version(),

@@ -1,0 +1,100 @@
+"""Fault drills (`chaos.*`): failures injected on purpose, for tests and for rehearsing on a cluster.
+
+All are off by default and fire on the first attempt of a job only (`jaxtrain launch` and the
+cluster recipes count attempts in JAXTRAIN_RESTART_ATTEMPT), so a restarted job runs clean. The
+exceptions: the numerics drills (they are data), and `chaos.crash_process`, a bad node that crashes
+on every attempt until `jaxtrain launch --isolate-after` takes its slot out of the job.
+Each drill that fires writes a `chaos` event first, so a run directory says what was injected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+
+from jaxtrain.config import Config
+from jaxtrain.launch.supervisor import RESTART_ATTEMPT_ENV, SLOT_ENV
+
+CRASH_EXIT_CODE = 1  # what chaos.crash_process exits with: an ordinary crash, not "restart me"
+
+
+def restart_attempt() -> int:
+    """0 on a job's first attempt, n on its n-th restart."""
+    return int(os.environ.get(RESTART_ATTEMPT_ENV, "0") or 0)
+
+
+def launch_slot(process_index: int) -> int:
+    """The slot this process runs in: JAXTRAIN_SLOT under `jaxtrain launch`, else the process index.
+
+    Slots name places (nodes), processes name positions in the job: after an isolation the
+    processes are renumbered, the slots are not, so a bad slot's drill stops with the slot.
+    """
+    return int(os.environ.get(SLOT_ENV, "") or process_index)
+
+
+class Chaos:
+    """The drills of one process; the loop calls `at_start()` once and `after_step()` every step."""
+
+    def __init__(self, cfg: Config, process_index: int, event: Callable[..., None]):
+        self.cfg = cfg.chaos
+        self.process_index = process_index
+        self.event = event
+        self.armed = restart_attempt() == 0
+        self.slot = launch_slot(process_index)
+        self.crashes = self.cfg.crash_process >= 0 and self.slot == self.cfg.crash_process
+
+    def at_start(self) -> None:
+        """A slow start-up on `chaos.slow_process` (`chaos.start_delay_s`): processes reach the first
+        collectives at different times. A bad node (`chaos.crash_process`, `crash_at_step=0`) crashes here."""
+        c = self.cfg
+        if c.start_delay_s > 0 and self.process_index == c.slow_process:
+            time.sleep(c.start_delay_s)
+        if self.crashes and c.crash_at_step == 0:
+            self._crash(0)
+
+    def _crash(self, step: int) -> None:
+        """Exit at once with an ordinary crash code, on every attempt (`chaos.crash_process`)."""
+        self.event("chaos", step, drill="crash", slot=self.slot, process=self.process_index, attempt=restart_attempt())
+        print(f"jaxtrain: chaos.crash_process: slot {self.slot} (process {self.process_index}) crashes at step {step} "
+              f"(attempt {restart_attempt()})", file=sys.stderr, flush=True)
+        os._exit(CRASH_EXIT_CODE)  # no cleanup, as a failing node gives none
+
+    def batch_factor(self, batch_index: int, step: int) -> float:
+        """The loss multiplier for the batch with this index in the data order (0-based): NaN for
+        `chaos.nan_at_steps`, `chaos.spike_factor` for `chaos.spike_at_steps`, else 1.
+
+        Keyed by the batch, not the step: step N of an uninterrupted run draws batch N-1, and a
+        rollback that skips bad batches leaves these behind, as it would real bad data. Numerics
+        drills fire on every attempt (they are data, not faults of a process).
+        """
+        c = self.cfg
+        if batch_index + 1 in c.nan_at_steps:
+            self.event("chaos", step, drill="nan", batch=batch_index)
+            return float("nan")
+        if batch_index + 1 in c.spike_at_steps:
+            self.event("chaos", step, drill="spike", batch=batch_index, factor=c.spike_factor)
+            return float(c.spike_factor)
+        return 1.0
+
+    def after_step(self, step: int, state: Any) -> None:
+        """Drills that act between steps: kill a process, crash a bad slot, slow one down."""
+        c = self.cfg
+        if self.crashes and c.crash_at_step > 0 and step >= c.crash_at_step:
+            jax.block_until_ready(state)  # the step completed, as "right after step N" promises
+            self._crash(step)
+        if self.armed and step == c.kill_at_step and self.process_index == c.kill_process:
+            jax.block_until_ready(state)  # the step completed, as "right after step N" promises
+            self.event("chaos", step, drill="kill", process=self.process_index)
+            os.kill(os.getpid(), signal.SIGKILL)  # die without any cleanup
+        if c.slow_seconds > 0 and self.process_index == c.slow_process:
+            time.sleep(c.slow_seconds)  # a straggler: same numerics, later
+        if self.armed and step == c.hang_at_step and self.process_index == c.hang_process:
+            jax.block_until_ready(state)
+            self.event("chaos", step, drill="hang", process=self.process_index)
+            while True:  # a hung host: alive, silent, holding its devices
+                time.sleep(3600)

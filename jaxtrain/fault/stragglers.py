@@ -1,0 +1,87 @@
+"""Straggler detection: which process makes the whole job wait, compared every N steps.
+
+In a synchronous SPMD job every process's step takes as long as the slowest one's: the others wait
+for it inside the step's collectives. So wall time per step says nothing about who is slow; the
+time each process spends *not* waiting does. The loop measures, per step, this process's busy time
+(the step's wall time minus the time it sat blocked reading the device's results) and its
+data-wait time. Every `fault.straggler_every` steps the per-process means over the window are
+gathered in one tiny device all-gather that is read a step later (`hostcomm.LateAllGather`: no
+per-step synchronisation, the host never waits for it), and a process whose busy time exceeds
+`fault.straggler_factor` x the median (and by at least a tenth of a step: milliseconds are noise)
+is reported in a `straggler` event naming its index and host, with its times. Every process computes the same table, so they agree without talking further.
+
+What this sees: slow hosts (CPU contention, a slow input pipeline, swapping, a throttled host
+process). A slow accelerator shows as everyone's wait inside the collectives instead: the
+preflight check (`preflight.py`) measures each device's matmul rate for that.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import statistics
+from typing import Callable
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxtrain.config import FaultConfig
+from jaxtrain.fault.hostcomm import LateAllGather
+
+MIN_COST = 0.1  # a straggler costs the job at least this fraction of a step
+
+
+class Stragglers:
+    """Feed `after_step(step, busy_s, data_wait_s)` every step; events come out every N steps."""
+
+    def __init__(self, cfg: FaultConfig, mesh: Mesh, process_index: int, process_count: int,
+                 hosts: list[str], event: Callable[..., None]):
+        self.every, self.factor = cfg.straggler_every, cfg.straggler_factor
+        self.process_index, self.process_count = process_index, process_count
+        self.hosts = hosts
+        self.event = event
+        self.enabled = self.every > 0 and process_count > 1
+        self.reports: collections.Counter[int] = collections.Counter()  # process -> straggler reports so far
+        self._busy: list[float] = []
+        self._wait: list[float] = []
+        self._wall: list[float] = []
+        self._gather = LateAllGather(mesh) if self.enabled else None
+
+    def after_step(self, step: int, busy_s: float, data_wait_s: float, wall_s: float) -> None:
+        """This process's busy, data-wait and wall seconds of the step just taken."""
+        if not self.enabled:
+            return
+        self._busy.append(busy_s)
+        self._wait.append(data_wait_s)
+        self._wall.append(wall_s)
+        table = self._gather.result(step)
+        if table is not None:
+            self._judge(step - 1, table)
+        if step % self.every == 0:
+            self._gather.start(step, np.array([np.mean(self._busy), np.mean(self._wait), len(self._busy),
+                                               np.mean(self._wall)]))
+            self._busy, self._wait, self._wall = [], [], []
+
+    def _judge(self, step: int, table: np.ndarray) -> None:
+        busy = table[:, 0]
+        median = statistics.median(busy.tolist())
+        wall = statistics.median(table[:, 3].tolist())
+        for process, (b, w, n, _) in enumerate(table):
+            # Slower than factor x the median, and by enough to matter: a few milliseconds of extra
+            # logging on process 0 are not what makes a job wait.
+            if median > 0 and b > self.factor * median and b - median > MIN_COST * wall:
+                self.reports[process] += 1
+                self.event("straggler", step, process=process, host=self.hosts[process], busy_s=round(float(b), 4),
+                           median_busy_s=round(float(median), 4), data_wait_s=round(float(w), 4), steps=int(n),
+                           factor=round(float(b / median), 2), reports=self.reports[process])
+
+
+def job_hosts(process_index: int, process_count: int, timeout_s: float = 120.0) -> list[str]:
+    """Every process's host name, by process index (one key-value exchange at start-up)."""
+    host = socket.gethostname()
+    if process_count == 1:
+        return [host]
+    from jaxtrain.checkpoint.multihost import client
+    kv = client()
+    kv.key_value_set(f"jaxtrain/hosts/{process_index}", host, allow_overwrite=True)
+    return [kv.blocking_key_value_get(f"jaxtrain/hosts/{p}", int(timeout_s * 1000)) for p in range(process_count)]

@@ -1,0 +1,230 @@
+"""Llama-style decoder in Flax NNX, in reading order: norm -> rotary -> attention -> MLP -> block -> decoder.
+
+Shape suffixes: B batch, L length, D d_model, N q-heads, K kv-heads, H head_dim, F mlp, V vocab.
+
+Every parameter carries logical axis names (`out_sharding` metadata); `jaxtrain.parallel.sharding` maps
+them to mesh axes through the config's rules table. Activations are constrained by logical name
+with `sharding.constrain`. Layers are created stacked (leading `layers` axis) and run with
+`lax.scan`, so compile time does not grow with depth; `scan_layers=False` unrolls the same
+stacked parameters (used to test that both agree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels
+from jaxtrain.parallel import pipeline
+from jaxtrain.config import ModelConfig
+from jaxtrain.parallel.sharding import KERNEL_WHOLE_AXES, constrain, per_shard
+from kernels import flash_attention
+
+# Parameters get logical names as metadata only; shardings are decided by jaxtrain.parallel.sharding.
+nnx.use_eager_sharding(False)
+
+LOGIT_STD = 0.5  # std of the initial logits (see Transformer.__init__)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
+        self.eps = eps
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x32 = x_BLD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x_BLD.dtype)
+
+
+def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
+           llama3: tuple[float, float, float, int] | None = None) -> jax.Array:
+    """Rotate channel pairs (i, i + H/2) by position-dependent angles (Llama's layout).
+
+    `llama3` = (factor, low_freq_factor, high_freq_factor, original_max_len) applies Llama 3.1's
+    long-context scaling: wavelengths longer than original_max_len / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_len / high_freq_factor are kept, and
+    the band between is interpolated (as transformers' `_compute_llama3_parameters`).
+    """
+    H = x_BLnH.shape[-1]
+    # 1 / theta^(i/H), spelled as transformers does: bit-identical frequencies (theta^(-i/H) is
+    # off by an ulp, which at position 1e5 is 1e-2 rad).
+    inv_freq = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
+    if llama3 is not None:
+        factor, low, high, original_len = llama3
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = jnp.clip((original_len / wavelen - low) / (high - low), 0.0, 1.0)  # 0 above the band, 1 below
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angle_BLh)[:, :, None, :], jnp.cos(angle_BLh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLnH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLnH.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: N query heads share K key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        # Output projection scaled down with depth (GPT-2/Llama practice) to keep residuals stable.
+        self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.theta, self.implementation = cfg.rope_theta, cfg.attention
+        self.llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                        cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
+        q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype))
+        k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype))
+        v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype))
+        q_BLNH = constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3), ("batch", "length", "heads", "head_dim"))
+        k_BLKH = constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3), ("batch", "length", "kv_heads", "head_dim"))
+        v_BLKH = constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
+        o_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+        return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
+
+    @jax.named_scope("attention")  # `jaxtrain profile-summary` counts the ops under this scope as attention
+    def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
+        implementation = kernels.resolve_implementation(self.implementation)  # 'auto' -> this platform's best
+        attend = lambda q, k, v, seg: flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                                      implementation=implementation)
+        if implementation == "xla":
+            return attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)  # plain jnp: XLA partitions it
+        # Kernels are opaque to XLA's partitioner: run them per shard (batch and heads are independent).
+        qkv = ("batch", "length", "heads", "head_dim")
+        kv = ("batch", "length", "kv_heads", "head_dim")
+        return per_shard(attend, (qkv, kv, kv, ("batch", "length")), qkv,
+                         whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.mlp_dim
+        self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+
+    def __call__(self, x_BLD, dtype):
+        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dtype))
+        up_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dtype))
+        h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
+        return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dtype))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype)
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype)
+        return constrain(x_BLD, ("batch", "length", "act_embed"))
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer; recompute it all in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model. `model(tokens_BL, positions_BL, segment_ids_BL) -> logits_BLV` (fp32)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.cfg, self.dtype = cfg, dtype
+        # The output projection (the head, or the tied table) starts with std LOGIT_STD/sqrt(D):
+        # the final norm gives unit-RMS features, so initial logits have std LOGIT_STD and the
+        # initial loss is ~ln(vocab) + LOGIT_STD**2/2, whatever d_model is. An untied input table
+        # can be large (it only feeds RMSNorm); a tied one is bounded by its role as the head.
+        head_std = LOGIT_STD / cfg.d_model ** 0.5
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                            head_std if cfg.tie_embeddings else 1.0)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
+
+    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+        head_DV = self.head_weight().astype(self.dtype)
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV, preferred_element_type=jnp.float32)
+        return constrain(logits_BLV, ("batch", "length", "vocab"))
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [D, V] in fp32: the head, or the transposed embedding when tied."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+
+    def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        """The final hidden states [B, L, D] (after the last norm), in the compute dtype.
+
+        `__call__` projects them to logits; the training loss (`jaxtrain.model.loss.fused_loss`) takes
+        them with `head_weight()` instead, so the full logits are never materialised.
+        """
+        cfg, dtype = self.cfg, self.dtype
+        if positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
+        # Gather the table over fsdp first (as FSDP does for every weight); the lookup then runs
+        # on vocab shards (masked gather + reduce) instead of resharding the whole table.
+        table_VD = constrain(self.embed[...], ("vocab", None))
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
+        x_BLD = constrain(x_BLD, ("batch", "length", "act_embed"))
+
+        graphdef, layers = nnx.split(self.blocks)
+
+        def stack(x_BLD, positions_BL, segment_ids_BL, layers):
+            """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's."""
+            def layer(x_BLD, one_layer):
+                return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype), None
+
+            if cfg.remat != "none":
+                layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            if cfg.scan_layers:
+                return jax.lax.scan(layer, x_BLD, layers)[0]
+            for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
+                x_BLD, _ = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], layers))
+            return x_BLD
+
+        schedule = pipeline.active_schedule()  # set by the train step when mesh.stage > 1
+        if schedule is None:
+            x_BLD = stack(x_BLD, positions_BL, segment_ids_BL, layers)
+        else:
+            x_BLD = pipeline.run(stack, nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
+                                 segment_ids_BL, schedule)
+
+        return self.final_norm(x_BLD)
+
+
+def logical_axes(params_state: nnx.State) -> dict:
+    """Nested dict of logical-name tuples, matching `nnx.to_pure_dict(params_state)`."""
+    def walk(node):
+        if isinstance(node, nnx.Variable):
+            return tuple(node.get_metadata()["out_sharding"])
+        return {k: walk(v) for k, v in node.items()}
+    return walk(params_state)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in matmuls per token (all but the embedding lookup and norms)."""
+    D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    per_layer = D * H * (2 * N + 2 * K) + 3 * D * F
+    return cfg.num_layers * per_layer + D * cfg.vocab_size

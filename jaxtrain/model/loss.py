@@ -1,0 +1,189 @@
+"""The language-model loss: output head + cross-entropy (+ z-loss), fused and chunked.
+
+Shape suffixes: B batch, L length, C chunk length, D d_model, V vocab, G batch shards.
+
+The plain loss (`jaxtrain.train.step.token_losses` on the model's logits) materialises the fp32 logits
+[B, L, V] and, in the backward pass, their gradient of the same size. At cpu-tiny's shape that is
+2 x 262 MB per step, streamed through memory by a dozen elementwise passes, and the head is ~65%
+of the model FLOPs. `fused_loss` never holds more than one chunk of the sequence's logits:
+
+  forward (differentiated):  for each chunk of C positions (a `lax.scan`):
+      logits = x_c @ W                       (matmul 1)
+      lse, target logit -> loss sums
+      dlogits = mask * (softmax * (1 + 2 z lse) - onehot(target))
+      dx_c = dlogits @ W^T                   (matmul 2)
+      dW  += x_c^T @ dlogits                 (matmul 3)
+  backward: scale the stored dx and dW by the incoming cotangent (the loss is a scalar).
+
+So the three head matmuls of the plain loss remain, and nothing [B, L, V]-sized is ever stored:
+the gradient is computed while the chunk's logits are in cache. Undifferentiated calls (evaluation)
+run only matmul 1 per chunk (`jax.custom_vjp` calls the primal function then).
+
+Sharding: the chunks cut the length axis, so batch sharding (data/fsdp) is untouched. The head is
+gathered over fsdp once, before the loop (as FSDP gathers every weight), and dW is accumulated
+per batch shard ([G, D, V], G = the number of batch shards, each device holding its own
+partial sum): the cross-device reduction of dW happens once, after the loop, not once per chunk.
+The vocab axis may be sharded (tensor): the softmax reductions over it become all-reduces, and the
+target logit is picked by an iota compare, which partitions without gathering the vocab.
+
+The loss's contract (what the tests check against the plain loss): for fp32, the objective, the
+cross-entropy and z-loss sums and the gradients with respect to the hidden states and the head
+equal the plain loss's to ~1e-6 relative, masked tokens included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.parallel.sharding import active_rules, constrain, logical_to_spec
+
+# Bytes of fp32 logits per device that one chunk may hold. On the CPU a chunk should stay near the
+# last-level cache (32 MiB on the bench machine; on cpu-tiny 8 MiB chunks were slower, 16/32/64 MiB
+# alike and the whole 262 MB slowest, docs/bench_cpu_tiny.md); accelerators want big matmuls and
+# have the memory for them (1 GiB: 2k rows of a 128k vocabulary).
+CHUNK_BYTES = {"cpu": 16 * 2**20}
+DEFAULT_CHUNK_BYTES = 1 * 2**30
+
+
+def batch_shards() -> int:
+    """How many ways the active rules split the batch axis (1 outside `use_rules`)."""
+    active = active_rules()
+    if active is None:
+        return 1
+    mesh, rules = active
+    entry = logical_to_spec(("batch",), rules)[0]
+    axes = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def vocab_shards() -> int:
+    """How many ways the active rules split the vocab axis (1 outside `use_rules`)."""
+    active = active_rules()
+    if active is None:
+        return 1
+    mesh, rules = active
+    entry = logical_to_spec(("vocab",), rules)[0]
+    axes = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def chunk_length(B: int, L: int, V: int, chunk_bytes: int | None = None) -> int:
+    """Positions per chunk: the largest divisor of L whose fp32 logits per device fit `chunk_bytes`."""
+    if chunk_bytes is None:
+        chunk_bytes = CHUNK_BYTES.get(jax.default_backend(), DEFAULT_CHUNK_BYTES)
+    rows_per_position = max(B // batch_shards(), 1) * max(V // vocab_shards(), 1) * 4
+    fitting = [c for c in range(1, L + 1) if L % c == 0 and c * rows_per_position <= chunk_bytes]
+    return max(fitting, default=1)
+
+
+def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool):
+    """Loss sums of one chunk, and (with_grads) d(objective)/d(x chunk) and the chunk's dW per batch shard."""
+    logits = jnp.einsum("gbcd,dv->gbcv", x_GBCD, head_DV, preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("batch", None, "length", "vocab"))
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    exp = jnp.exp(logits - peak)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    lse_GBC = (jnp.log(total) + peak)[..., 0]
+    # The target's logit by an iota compare (a masked sum): partitions over a sharded vocab axis.
+    is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets_GBC[..., None]
+    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+    ce = jnp.sum((lse_GBC - target_logit) * mask_GBC)
+    z = jnp.sum(lse_GBC * lse_GBC * mask_GBC)
+    if not with_grads:
+        return ce, z
+    # d/dlogits of mask * (lse - logit[target] + z_loss * lse^2) = mask * (p (1 + 2 z_loss lse) - onehot).
+    weight = (mask_GBC * (1.0 + 2.0 * z_loss * lse_GBC))[..., None] / total
+    dlogits = exp * weight - jnp.where(is_target, mask_GBC[..., None], 0.0)
+    dlogits = dlogits.astype(x_GBCD.dtype)  # the backward matmuls run in the compute dtype
+    dx = jnp.einsum("gbcv,dv->gbcd", dlogits, head_DV, preferred_element_type=jnp.float32)
+    dW = jnp.einsum("gbcd,gbcv->gdv", x_GBCD, dlogits, preferred_element_type=jnp.float32)
+    return ce, z, dx, dW
+
+
+def _split(a, G: int, C: int):
+    """[B, L, ...] -> [L/C, G, B/G, C, ...]: chunks of the length axis, batch shards explicit."""
+    B, L = a.shape[:2]
+    a = a.reshape(G, B // G, L // C, C, *a.shape[2:])
+    return jnp.moveaxis(a, 2, 0)
+
+
+def _unsplit(a):
+    """[L/C, G, B/G, C, ...] -> [B, L, ...]."""
+    n, G, b, C = a.shape[:4]
+    return jnp.moveaxis(a, 0, 2).reshape(G * b, n * C, *a.shape[4:])
+
+
+def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: int, with_grads: bool):
+    B, L, D = x_BLD.shape
+    V = head_DV.shape[1]
+    G = batch_shards()
+    if B % G:
+        G = 1  # a batch that does not split evenly (eval on odd shapes): one partial sum
+    # Gather the head over fsdp once, before the loop, not once per chunk.
+    head = constrain(head_DV.astype(x_BLD.dtype), (None, "vocab"))
+    xs = (_split(x_BLD, G, chunk), _split(targets_BL, G, chunk), _split(mask_BL.astype(jnp.float32), G, chunk))
+
+    if not with_grads:
+        def body(carry, c):
+            ce, z = _chunk_sums(*c[:1], head, *c[1:], z_loss, with_grads=False)
+            return (carry[0] + ce, carry[1] + z), None
+        (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), xs)
+        return ce, z
+
+    def body(carry, c):
+        ce_acc, z_acc, dW_acc = carry
+        ce, z, dx, dW = _chunk_sums(c[0], head, c[1], c[2], z_loss, with_grads=True)
+        dW = constrain(dW_acc + dW, ("batch", None, "vocab"))  # per batch shard: no reduction in the loop
+        return (ce_acc + ce, z_acc + z, dW), dx
+
+    dW0 = constrain(jnp.zeros((G, D, V), jnp.float32), ("batch", None, "vocab"))
+    (ce, z, dW_GDV), dx = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), dW0), xs)
+    dx_BLD = constrain(_unsplit(dx), ("batch", "length", "act_embed"))
+    return ce, z, dx_BLD, jnp.sum(dW_GDV, axis=0)  # the one cross-shard reduction of dW
+
+
+def fused_loss(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array, mask_BL: jax.Array,
+               z_loss: float = 0.0, chunk: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(objective, cross-entropy sum, z-loss sum) of the output head over the counted tokens.
+
+    objective = sum(mask * ce) + z_loss * sum(mask * lse^2), lse = logsumexp of the logits. Only
+    the objective is differentiable (the two sums are reported as they are, with stop_gradient).
+
+    Args:
+      x_BLD: final hidden states (after the last norm), in the compute dtype.
+      head_DV: the output projection (fp32 parameter; cast to x's dtype for the matmuls; logits and
+        softmax in fp32).
+      targets_BL: int target ids; mask_BL: 1 for counted tokens, 0 for the rest (any float/int/bool).
+      z_loss: weight of the z-loss term (static).
+      chunk: positions per chunk (a divisor of L); default `chunk_length` for this platform.
+    Returns:
+      (objective, ce_sum, z_sum), fp32 scalars.
+    """
+    B, L, _ = x_BLD.shape
+    if chunk is None:
+        chunk = chunk_length(B, L, head_DV.shape[1])
+    if L % chunk:
+        raise ValueError(f"chunk={chunk} does not divide the sequence length {L}")
+    z_loss = float(z_loss)
+
+    @jax.custom_vjp
+    def objective(x, head, targets, mask):
+        ce, z = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=False)
+        return ce + z_loss * z, (ce, z)
+
+    def forward(x, head, targets, mask):
+        ce, z, dx, dW = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=True)
+        return (ce + z_loss * z, (ce, z)), (dx, dW)
+
+    def backward(grads, cotangents):
+        g = cotangents[0]  # the sums' cotangents are zero: they leave through stop_gradient below
+        dx, dW = grads
+        # Targets and mask are data, not differentiated (None: a zero cotangent).
+        return (g * dx).astype(x_BLD.dtype), (g * dW).astype(head_DV.dtype), None, None
+
+    objective.defvjp(forward, backward)
+    total, (ce, z) = objective(x_BLD, head_DV, targets_BL, mask_BL)
+    return total, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)

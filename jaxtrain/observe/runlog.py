@@ -1,0 +1,165 @@
+"""The run's logs: metrics.jsonl, events.jsonl, TensorBoard scalars and the progress line.
+
+Only process 0 writes; other processes get a RunLog that drops everything. On a terminal the
+progress line is rewritten in place; anywhere else (SLURM output files, Kubernetes logs, CI,
+`| tee`) each logged step is one plain line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import IO, Any
+
+from jaxtrain.checkpoint import storage
+from jaxtrain.config import Config, save_config
+from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.observe.tensorboard import ScalarWriter
+
+
+class RunLog:
+    """metrics.jsonl, events.jsonl, TensorBoard and the progress line for one run directory.
+
+    `output_dir` may be a local directory or a gs:// / s3:// URL. Locally each line reaches the
+    OS as it is written (a killed run keeps every line). Object stores cannot append, so there
+    the files are buffered in memory and each object is rewritten whole: in the background at
+    most every `flush_interval_s` (metrics and TensorBoard at log steps coalesce into one upload
+    per interval), and at once, before returning, on every event (start, checkpoint_saved,
+    resume, done, ...) and on `close()`. So after `checkpoint_saved` for step N, every metrics
+    line up to N is in the bucket: a killed run loses at most the lines after its last event
+    or upload, which a resumed run writes again. A resumed run appends to the objects it finds.
+    A failed upload never stops training: it is reported as one line on the console and
+    retried at the next upload.
+    """
+
+    def __init__(self, output_dir: str | None, *, console: IO[str] | None = None, enabled: bool = True,
+                 flush_interval_s: float = 5.0):
+        self.enabled = enabled and output_dir is not None
+        self.console = console
+        self._tty = bool(console is not None and hasattr(console, "isatty") and console.isatty())
+        self._tb = None
+        if self.enabled:
+            out = self.output_dir = os.fspath(output_dir)
+            self.remote = is_remote(out)
+            storage.makedirs(out)
+            self._metrics = storage.AppendOnlyFile(join(out, "metrics.jsonl"), flush_interval_s=flush_interval_s)
+            self._events = storage.AppendOnlyFile(join(out, "events.jsonl"), flush_interval_s=flush_interval_s)
+            self._tb = ScalarWriter(join(out, "tensorboard"), flush_interval_s=flush_interval_s)
+
+    def write_config(self, cfg: Config) -> None:
+        """The resolved config as `config.yaml` (what a resumed or exported run is read back with)."""
+        if not self.enabled:
+            return
+        if not self.remote:
+            save_config(cfg, join(self.output_dir, "config.yaml"))
+            return
+        with tempfile.TemporaryDirectory() as tmp:  # config.py owns the format; upload what it writes
+            save_config(cfg, os.path.join(tmp, "config.yaml"))
+            with open(os.path.join(tmp, "config.yaml")) as f:
+                storage.write_text(join(self.output_dir, "config.yaml"), f.read())
+
+    def event(self, kind: str, step: int, **details: Any) -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), "step": int(step), "kind": kind, **details}
+        self._events.write(json.dumps(_finite_or_name(record), default=_jsonable) + "\n")
+        self._flush(self._metrics, self._events)  # remote: the event and the metrics before it are stored
+        if self.console is not None and kind not in ("checkpoint_saved",):
+            self._print(f"[{kind}] step {step} " + " ".join(f"{k}={_short(v)}" for k, v in details.items()), keep=True)
+
+    def metrics(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._metrics.write(json.dumps(_finite_or_name(record), default=_jsonable) + "\n")
+        if self._tb is not None:
+            self._tb.scalars(record["step"], {
+                f"train/{k}": float(v) for k, v in record.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
+        if self.console is not None:
+            line = (f"step {record['step']:>6}  loss {record['loss']:.4f}  "
+                    f"tok/s {record['tokens_per_sec']:,.0f}  MFU {100 * record['mfu']:.1f}%")
+            if "eval_loss" in record:
+                line += f"  eval {record['eval_loss']:.4f}"
+            if record.get("skipped_steps"):
+                line += f"  skipped {record['skipped_steps']}"
+            self._print(line, keep=not self._tty)
+
+    def _print(self, line: str, keep: bool) -> None:
+        if self._tty:
+            self.console.write("\r\033[K" + line + ("\n" if keep else ""))
+        else:
+            self.console.write(line + "\n")
+        self.console.flush()
+
+    def _warn(self, message: str) -> None:
+        if self.console is not None:
+            self._print(f"[warning] {message}", keep=True)
+        else:
+            print(f"jaxtrain: warning: {message}", file=sys.stderr)
+
+    def _flush(self, *files: Any) -> None:
+        """Upload now (remote; a no-op locally, where every write already reached the OS)."""
+        if not self.remote:
+            return
+        for f in files:
+            try:
+                f.flush()
+            except Exception as e:  # the logs must not stop training; the next upload retries
+                self._warn(f"could not upload {f.path}: {_first_line(e)}")
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._tty and self.console is not None:
+            self.console.write("\n")
+        for f in (self._metrics, self._events, self._tb):
+            try:
+                f.close()
+            except Exception as e:  # remote: the last upload failed; say so, do not mask the run's result
+                self._warn(f"could not upload {getattr(f, 'path', '')} at close: {_first_line(e)}")
+        self.enabled = False
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _finite_or_name(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity": JSON has no literal for
+    them, and strict readers (jq, browsers) reject Python's bare NaN."""
+    return {k: (str(v).replace("nan", "NaN").replace("inf", "Infinity") if isinstance(v, float) and not math.isfinite(v)
+                else v) for k, v in record.items()}
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    return str(x)
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def append_event(output_dir: str | None, kind: str, step: int, **details: Any) -> None:
+    """One event line appended to events.jsonl from outside the RunLog: the launcher (between
+    attempts) and the hang watchdog of any process (while the loop is stuck). A single O_APPEND
+    write, so lines of several writers never interleave on a local filesystem. Remote run
+    directories: nothing (those writers report on stderr; the RunLog owns the remote objects)."""
+    if output_dir is None or is_remote(output_dir):
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    record = {"time": time.time(), "step": int(step), "kind": kind, **details}
+    line = json.dumps(_finite_or_name(record), default=_jsonable) + "\n"
+    fd = os.open(os.path.join(output_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)

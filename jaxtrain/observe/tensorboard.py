@@ -1,0 +1,161 @@
+"""TensorBoard scalars without TensorFlow, tensorboardX or torch: the event-file format by hand.
+
+An event file is a sequence of records `len (u64) | masked_crc32c(len) | data | masked_crc32c(data)`
+whose data is a serialized `tensorflow.Event` protobuf. We write only two kinds: the file-version
+header and scalar summaries, so the protobuf encoding is a few lines. (tensorboardX would do the
+same but imports torch when it is installed: seconds of startup on every restart.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+
+from jaxtrain.checkpoint import storage
+from jaxtrain.checkpoint.paths import join
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), the checksum TFRecord uses."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked(crc: int) -> int:
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return _varint((number << 3) | wire_type) + payload
+
+
+def _bytes_field(number: int, data: bytes) -> bytes:
+    return _field(number, 2, _varint(len(data)) + data)
+
+
+def _event(step: int, *, file_version: str | None = None, scalars: dict[str, float] | None = None) -> bytes:
+    msg = _field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, _varint(step))  # wall_time, step
+    if file_version is not None:
+        msg += _bytes_field(3, file_version.encode())
+    if scalars:
+        values = b"".join(
+            _bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", value)))  # tag, simple_value
+            for tag, value in scalars.items())
+        msg += _bytes_field(5, values)  # Event.summary
+    return msg
+
+
+class ScalarWriter:
+    """Appends scalar summaries to one `events.out.tfevents.*` file in `log_dir`.
+
+    `log_dir` may be a gs:// or s3:// URL (TensorBoard reads both): the file is then kept in
+    memory and the object rewritten, in the background at most every `flush_interval_s` and at
+    `close()` (see `jaxtrain.checkpoint.storage.AppendOnlyFile`); TensorBoard reads a rewritten event file
+    like a growing local one.
+    """
+
+    def __init__(self, log_dir: str | Path, *, flush_interval_s: float = 5.0):
+        log_dir = os.fspath(log_dir)
+        storage.makedirs(log_dir)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self._file = storage.AppendOnlyFile(join(log_dir, name), flush_interval_s=flush_interval_s)
+        self.path = self._file.path
+        self._write(_event(0, file_version="brain.Event:2"))
+
+    def _write(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self._file.write(header + struct.pack("<I", _masked(crc32c(header))) + data
+                         + struct.pack("<I", _masked(crc32c(data))))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self._write(_event(step, scalars=values))
+
+    def flush(self) -> None:
+        """Make the records durable now (a local file is flushed after every record anyway)."""
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_scalars(path: str | Path) -> list[tuple[int, str, float]]:
+    """(step, tag, value) from an event file written by ScalarWriter (a path or a URL), checking every CRC."""
+    data, out, pos = storage.read_bytes(os.fspath(path)), [], 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<Q", data, pos)
+        (hcrc,) = struct.unpack_from("<I", data, pos + 8)
+        if hcrc != _masked(crc32c(data[pos:pos + 8])):
+            raise ValueError(f"{path}: corrupt record header at byte {pos}")
+        body = data[pos + 12:pos + 12 + length]
+        (dcrc,) = struct.unpack_from("<I", data, pos + 12 + length)
+        if dcrc != _masked(crc32c(body)):
+            raise ValueError(f"{path}: corrupt record at byte {pos}")
+        out += _parse_scalars(body)
+        pos += 16 + length
+    return out
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        b = buf[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not b & 0x80:
+            return value, i
+
+
+def _fields(buf: bytes):
+    i = 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _read_varint(buf, i)
+        elif wire == 1:
+            value, i = buf[i:i + 8], i + 8
+        elif wire == 5:
+            value, i = buf[i:i + 4], i + 4
+        else:
+            n, i = _read_varint(buf, i)
+            value, i = buf[i:i + n], i + n
+        yield number, value
+
+
+def _parse_scalars(event: bytes) -> list[tuple[int, str, float]]:
+    fields = list(_fields(event))
+    step = next((v for n, v in fields if n == 2), 0)
+    out = []
+    for n, summary in fields:
+        if n == 5:
+            for _, value in _fields(summary):
+                parts = dict(_fields(value))
+                out.append((step, parts[1].decode(), struct.unpack("<f", parts[2])[0]))
+    return out

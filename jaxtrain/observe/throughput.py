@@ -1,0 +1,102 @@
+"""How fast a run goes: model FLOPs per step, device peaks, and per-step throughput records.
+
+`flops_per_step` counts model FLOPs (PaLM appendix B accounting); `peak_flops_per_device` gives
+the denominator of MFU (a table for known accelerators, a measured matmul on the CPU);
+`Throughput` turns a finished step's device metrics plus the host clock into the `metrics.jsonl`
+fields step_time_s, tokens_per_sec, tflops_per_device and mfu.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.config import Config
+from jaxtrain.model.llama import matmul_params
+from kernels import attention_flops
+
+# Dense peak FLOP/s per device by device kind: (bf16, fp32). fp32 on GPUs means TF32 tensor cores.
+# Matched by substring of `jax.Device.device_kind`, first hit wins (so "H200" before "H100").
+PEAK_FLOPS: list[tuple[str, float, float]] = [
+    ("H200", 989e12, 494e12),
+    ("H100", 989e12, 494e12),
+    ("A100", 312e12, 156e12),
+    ("L4", 121e12, 60e12),
+    ("TPU v6", 918e12, 918e12 / 2),
+    ("TPU v5p", 459e12, 459e12 / 2),
+    ("TPU v5 lite", 197e12, 197e12 / 2),
+    ("TPU v5e", 197e12, 197e12 / 2),
+    ("TPU v4", 275e12, 275e12 / 2),
+]
+
+
+def flops_per_step(cfg: Config) -> float:
+    """Model FLOPs of one optimizer step over the global batch (forward + backward = 3x forward).
+
+    Matmuls: 6 * params * tokens (PaLM appendix B). Attention: the causal QK^T and PV matmuls,
+    counted as half the full score matrix, the same accounting the kernels use.
+    """
+    m, d = cfg.model, cfg.data
+    tokens = d.global_batch_size * d.seq_len
+    attn = attention_flops(d.global_batch_size, d.seq_len, m.num_heads, m.head_dim, causal=True)
+    return 6.0 * matmul_params(m) * tokens + 3.0 * m.num_layers * attn
+
+
+def measure_matmul_peak(dtype: Any = jnp.float32, n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a plain jitted n x n matmul on the default device: the honest CPU peak."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
+def peak_flops_per_device(device: jax.Device, policy: str) -> tuple[float, str]:
+    """(peak FLOP/s, where the number came from) for MFU."""
+    kind = getattr(device, "device_kind", "")
+    for name, bf16, fp32 in PEAK_FLOPS:
+        if name.lower() in kind.lower():
+            return (fp32 if policy == "fp32" else bf16), f"table:{name}"
+    dtype = jnp.float32 if policy == "fp32" else jnp.bfloat16
+    return measure_matmul_peak(dtype), f"measured:{device.platform} matmul"
+
+
+class Throughput:
+    """Step time, tokens/s, TFLOP/s per device and MFU between two log points.
+
+    Step time is wall time between log points divided by the steps in between, so it includes
+    everything the loop does per step (data, dispatch, device) and nothing it does only at log
+    points once `exclude()` is called after those (evaluation, for example).
+    """
+
+    def __init__(self, flops_per_step: float, peak_flops_per_device: float, num_devices: int, step: int):
+        self.flops_per_step = flops_per_step
+        self.peak = peak_flops_per_device
+        self.num_devices = num_devices
+        self._mark = (step, time.perf_counter())
+
+    def restart(self, step: int) -> None:
+        """Count from now, at `step` (after compiling, or in a notebook between calls)."""
+        self._mark = (step, time.perf_counter())
+
+    def exclude(self, step: int) -> None:
+        """Time since the last mark up to now is not step time (evaluation, checkpoint restore)."""
+        self.restart(step)
+
+    def record(self, step: int, tokens: float) -> dict[str, float]:
+        """The throughput fields for a log record at `step`, with `tokens` counted in that step."""
+        now = time.perf_counter()
+        last_step, last_time = self._mark
+        step_time = (now - last_time) / max(step - last_step, 1)
+        self._mark = (step, now)
+        tflops = self.flops_per_step / step_time / self.num_devices / 1e12
+        return {"step_time_s": step_time, "tokens_per_sec": tokens / step_time,
+                "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak}

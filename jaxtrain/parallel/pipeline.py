@@ -1,0 +1,296 @@
+"""Pipeline parallelism: the layer stack runs as stages over the `stage` mesh axis.
+
+With mesh.stage = S > 1 the model's stacked layers run as S stages. Each step's batch (each
+grad-accum microbatch of it) is cut into M = pipeline.microbatches microbatches, and one
+`lax.scan` of R·M + S − 1 iterations moves them through the stages: in every iteration all stages
+run at once (a `vmap` over the stage dimension, which is sharded over `stage`), then the
+activations shift one stage on (`jnp.roll` along the stage-sharded dimension, which XLA lowers to
+a collective-permute). Positions and segment ids travel with their microbatch. The backward pass
+is autodiff through the scan; every iteration is rematerialised, so per iteration only the
+stages' inputs are kept, and activation memory stays bounded by (R·M + S − 1) microbatch inputs.
+
+Schedules (S stages, M microbatches, R = pipeline.repeats):
+- GPipe (R = 1): stage s runs layers [s·L/S, (s+1)·L/S). Bubble (S−1)/(M+S−1).
+- Circular (R > 1, MaxText's "circular pipeline"): the layers form S·R groups; stage s runs the
+  groups s, S+s, 2S+s, ... and each microbatch goes round the ring of stages R times. An
+  iteration is 1/R of a GPipe stage's work, so the bubble falls to (S−1)/(R·M+S−1). A
+  microbatch leaving the last stage waits on stage 0 until its next round starts, M iterations
+  after its previous one; that needs M >= S.
+
+Layout-free parameters. The train state keeps every stacked weight as [L, ...] in execution
+order whatever S and R are, so a checkpoint restores under any schedule, or none. The rules table
+maps `layers -> stage`, so device s stores the contiguous block of layers [s·L/S, (s+1)·L/S):
+- GPipe: that block is exactly stage s's work; the reshape to [S, L/S, ...] is local and no
+  weight moves between devices.
+- Circular: stage s needs the non-adjacent groups s, S+s, .... A sharded dimension gives each
+  device one contiguous block, so no sharding of an [L, ...] array can hold those groups on one
+  device. Each step therefore permutes the groups into place: an all-to-all over `stage` of
+  about (S−1)/S of the stacked weights, and the same for their gradients on the way back
+  (`bench/bench_pipeline.py` reports the bytes). The alternative that moves nothing per step
+  keeps the permuted order in the state; then checkpoints, `restore_params_only`, HF export and
+  notebook inference would all depend on S and R and each would have to translate. We chose the
+  self-contained cost: GPipe moves no weights, circular pays one weight all-to-all per model call
+  for its smaller bubble.
+
+Outside the pipeline (embedding, final norm, head, loss) the batch is sharded over `stage` too
+(default rules: batch -> [data, stage, fsdp]), so no stage device repeats that work; inside,
+each microbatch is split only over the batch axes other than `stage`.
+
+Data parallelism inside a stage: every iteration adds to the stage's weight gradients. Left to
+itself XLA all-reduces each iteration's share over `data`, R·M + S − 1 times per step. So each
+stage runs one copy of its weights per `data` index (a second vmap, over the batch axes that
+shard no weight; the copies are a broadcast of what each device holds anyway): the gradients
+add up per copy inside the loop and are summed over `data` once, after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain.config import Config
+from jaxtrain.parallel.sharding import Rules, active_rules, constrain, logical_to_spec, use_rules
+
+# stack(x_BLD, positions_BL, segment_ids_BL, layers) runs `layers` (stacked on a leading axis) in order.
+StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any], jax.Array]
+
+# Rematerialise every scan iteration (module docstring). Always on in training; a module constant
+# rather than a setting so that tests/test_pipeline.py can measure the memory it saves.
+REMAT_ITERATIONS = True
+
+_X = ("layers", "batch", "length", "act_embed")  # a per-stage activation [S, B, L, D]
+_IDS = ("layers", "batch", "length")  # per-stage positions / segment ids [S, B, L]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How the layer stack runs as pipeline stages."""
+
+    stages: int  # S: size of the mesh axes that `layers` maps to
+    microbatches: int  # M: microbatches per model call
+    repeats: int  # R: layer groups per stage (1 = GPipe, > 1 = circular)
+
+    @property
+    def name(self) -> str:
+        return "gpipe" if self.repeats == 1 else "circular"
+
+    @property
+    def iterations(self) -> int:
+        """Scan iterations per model call: R·M + S − 1."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Theoretical idle fraction of every stage: (S − 1) / (R·M + S − 1)."""
+        return (self.stages - 1) / self.iterations
+
+
+def _targets(target: Any) -> list[str]:
+    return [a for a in (target if isinstance(target, list) else [target]) if a is not None]
+
+
+def stage_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes that the stage dimension (logical `layers`) is sharded over."""
+    return tuple(_targets(rules.get("layers")))
+
+
+def schedule_for(cfg: Config, mesh_sizes: Mapping[str, int]) -> Schedule | None:
+    """The pipeline schedule of this config on a mesh of these axis sizes; None for one stage.
+
+    Args:
+      cfg: a validated config (phase 1 and 2 checked num_layers, microbatches and batch sizes).
+      mesh_sizes: resolved mesh axis sizes, e.g. `dict(mesh.shape)` or what
+        `mesh.validate_against_devices` returns.
+    """
+    stages = math.prod(mesh_sizes[a] for a in stage_axes(cfg.mesh.rules))
+    if stages == 1:
+        return None
+    return Schedule(stages=stages, microbatches=cfg.pipeline.microbatches, repeats=cfg.pipeline.repeats)
+
+
+def describe(cfg: Config, mesh_sizes: Mapping[str, int]) -> dict:
+    """The pipeline schedule as plain data, for the `start` event and `jaxtrain inspect`.
+
+    Returns:
+      {"schedule": "none" | "gpipe" | "circular", "stages": S, "microbatches": M, "repeats": R,
+       "layers_per_stage": L/S, "iterations": R·M+S−1, "bubble": (S−1)/(R·M+S−1)}.
+    """
+    s = schedule_for(cfg, mesh_sizes)
+    if s is None:
+        return {"schedule": "none", "stages": 1, "microbatches": 1, "repeats": 1,
+                "layers_per_stage": cfg.model.num_layers, "iterations": 1, "bubble": 0.0}
+    return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "repeats": s.repeats,
+            "layers_per_stage": cfg.model.num_layers // s.stages, "iterations": s.iterations,
+            "bubble": round(s.bubble, 4)}
+
+
+_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("jaxtrain_pipeline", default=None)
+
+
+@contextlib.contextmanager
+def use_schedule(schedule: Schedule | None) -> Iterator[None]:
+    """Make the model run its layers through `schedule` while tracing (the train step sets this)."""
+    token = _ACTIVE.set(schedule)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_schedule() -> Schedule | None:
+    """The schedule `use_schedule` activated, or None (then the model scans its layers plainly)."""
+    return _ACTIVE.get()
+
+
+def _inside(taken: tuple[str, ...]) -> contextlib.AbstractContextManager:
+    """Rules for code inside one stage (or one replica of it): the `taken` mesh axes belong to the
+    vmapped dimensions, so no logical name may use them there (the batch, for one)."""
+    active = active_rules()
+    if active is None:
+        return contextlib.nullcontext()
+    mesh, rules = active
+    inner = {name: ([a for a in _targets(t) if a not in taken] or None) for name, t in rules.items()}
+    inner["layers"] = None
+    return use_rules(mesh, inner)
+
+
+def _replica_axes(rules: Rules, taken: tuple[str, ...], layer_names: Any) -> tuple[str, ...]:
+    """The outermost batch axes (besides the stage axes) that shard no stacked weight: `data` by default.
+
+    A stage runs one copy of its weights per index of these axes (a second vmap), so the weight
+    gradients of all R·M + S − 1 iterations add up per copy, inside the loop, and the copies are
+    summed once after it. Without the copies XLA all-reduces every iteration's weight gradients
+    over these axes: R·M + S − 1 times the data-parallel gradient traffic.
+    """
+    used: set[str] = set()
+    for names in jax.tree_util.tree_leaves(layer_names, is_leaf=lambda x: isinstance(x, tuple)):
+        for entry in logical_to_spec(names, rules):
+            used.update(entry if isinstance(entry, tuple) else [entry] if entry else [])
+    replicas = []
+    for axis in _targets(rules.get("batch")):
+        if axis in taken:
+            continue
+        if axis in used:
+            break
+        replicas.append(axis)
+    return tuple(replicas)
+
+
+def _place(w: jax.Array, names: tuple[str | None, ...], S: int, R: int, replicas: tuple[str, ...],
+           copies: int) -> jax.Array:
+    """[L, ...] in execution order -> [S, (copies,) R, L/(S·R), ...], where [s, r] is layer group r·S + s.
+
+    For R = 1 this is a local reshape of the stage-sharded layers axis; for R > 1 it is the
+    per-step all-to-all described in the module docstring. The copies (see `_replica_axes`) are a
+    broadcast of what each device already holds.
+    """
+    L = w.shape[0]
+    w = w.reshape(R, S, L // (S * R), *w.shape[1:]).swapaxes(0, 1)
+    w = constrain(w, ("layers", None, None, *names[1:]))
+    if copies == 1:
+        return w
+    mesh, rules = active_rules()
+    spec = logical_to_spec(("layers", None, None, None, *names[1:]), rules)
+    w = jnp.broadcast_to(w[:, None], (S, copies, *w.shape[1:]))
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(spec[0], replicas, *spec[2:])))
+
+
+def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positions_BL: jax.Array,
+        segment_ids_BL: jax.Array | None, schedule: Schedule) -> jax.Array:
+    """Run the stacked layers as pipeline stages; the same result as `stack(x, ..., layers)`.
+
+    Args:
+      stack: runs a stack of layers in order (the model's scan over layers).
+      layers: tree of stacked weights, each [L, ...] in execution order.
+      layer_names: the same tree with each weight's logical axis names (first one 'layers').
+      x_BLD: the embedded batch. positions_BL, segment_ids_BL: they travel with their rows.
+      schedule: S, M, R (checked by config validation: L % (S·R) == 0, M >= S, B % M == 0).
+    Returns:
+      x_BLD after all layers.
+    """
+    S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+    B = x_BLD.shape[0]
+    active = active_rules()
+    spmd_axes = stage_axes(active[1]) if active is not None else ()
+    replicas = _replica_axes(active[1], spmd_axes, layer_names) if active is not None else ()
+    copies = math.prod(active[0].shape[a] for a in replicas) if replicas else 1
+    weights = jax.tree_util.tree_map(lambda w, n: _place(w, n, S, R, replicas, copies), layers, layer_names)
+
+    def split(a, names):
+        """[B, ...] -> [M, B/M, ...], microbatch m taking rows m, m+M, ... (as step.split_microbatches).
+        Gathered over the stage axes first (any stage device may feed stage 0), so the reshape
+        itself moves nothing."""
+        a = constrain(a, names)
+        return constrain(a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1), (None, *names))
+
+    with _inside(spmd_axes):
+        x_MBLD = split(x_BLD, ("batch", "length", "act_embed"))
+        ids_MBL = jax.tree_util.tree_map(lambda a: split(a, ("batch", "length")), (positions_BL, segment_ids_BL))
+    # Stage 0's slot of `loop` holds every microbatch's input for its next round (its own rows
+    # at first, then what left the last stage). The other slots are never read: the buffer has a
+    # stage dimension only so that writing to it stays on stage 0's devices.
+    loop_SMBLD = constrain(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)),
+                           ("layers", None, "batch", "length", "act_embed"))
+    stage_S = jnp.arange(S)
+
+    def one_replica(x_BLD, pos_BL, seg_BL, w):
+        with _inside(spmd_axes + replicas):
+            return stack(x_BLD, pos_BL, seg_BL, w)
+
+    def one_stage(x_BLD, pos_BL, seg_BL, w, repeat):
+        repeat_axis = 0 if copies == 1 else 1  # w: [(copies,) R, L/(S·R), ...] on this stage
+        w = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, repeat_axis, keepdims=False), w)
+        if copies == 1:
+            return one_replica(x_BLD, pos_BL, seg_BL, w)
+        # Rows split over the replica axes, which are the outermost batch axes: a local reshape.
+        rows = lambda a: None if a is None else a.reshape(copies, a.shape[0] // copies, *a.shape[1:])
+        y = jax.vmap(one_replica, spmd_axis_name=replicas)(rows(x_BLD), rows(pos_BL), rows(seg_BL), w)
+        return y.reshape(x_BLD.shape)
+
+    all_stages = jax.vmap(one_stage, spmd_axis_name=spmd_axes or None)
+    if REMAT_ITERATIONS:
+        # Remat per iteration: the backward pass keeps each iteration's stage inputs, not the layers' insides.
+        all_stages = jax.checkpoint(all_stages, prevent_cse=False)
+
+    def feed(loop, t):
+        """Stage 0's inputs at iteration t: microbatch t % M (x in every slot of the loop buffer,
+        positions and segment ids broadcast over the stage slots)."""
+        m = t % M
+        x = jax.lax.dynamic_index_in_dim(loop, m, 1, keepdims=False)
+        ids = jax.tree_util.tree_map(
+            lambda a: jnp.broadcast_to(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False), (S, *a.shape[1:])),
+            ids_MBL)
+        return (x, *ids)
+
+    def per_stage(tree):
+        return tuple(None if a is None else constrain(a, _X if i == 0 else _IDS) for i, a in enumerate(tree))
+
+    def iteration(carry, t):
+        state, loop = carry
+        first = feed(loop, t)
+        is_first = lambda a: (stage_S == 0).reshape(S, *[1] * (a.ndim - 1))
+        inputs = per_stage(jax.tree_util.tree_map(lambda f, s: jnp.where(is_first(f), f, s), first, state))
+        repeat_S = jnp.clip((t - stage_S) // M, 0, R - 1)  # stage s works on item t - s: round (t - s) // M
+        y_SBLD = all_stages(*inputs, weights, repeat_S)
+        # Everything moves one stage on; the last stage's output lands in stage 0's slot.
+        shifted = per_stage(jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), (y_SBLD, *inputs[1:])))
+        done = t - (S - 1)  # the item the last stage just finished (negative while the pipeline fills)
+        slot = done % M
+        old = jax.lax.dynamic_index_in_dim(loop, slot, 1, keepdims=False)
+        loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(done >= 0, shifted[0], old), slot, 1)
+        return (shifted, loop), None
+
+    # Every stage starts on microbatch 0, so even the bubble's (discarded) work sees real, finite rows.
+    init = per_stage(feed(loop_SMBLD, jnp.int32(0)))
+    (_, loop_SMBLD), _ = jax.lax.scan(iteration, (init, loop_SMBLD), jnp.arange(schedule.iterations))
+    with _inside(spmd_axes):  # the inverse of `split`: reshape where it is local, then shard over stage again
+        y_MBLD = constrain(loop_SMBLD[0], (None, "batch", "length", "act_embed"))
+        y_BLD = constrain(y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape), ("batch", "length", "act_embed"))
+    return constrain(y_BLD, ("batch", "length", "act_embed"))

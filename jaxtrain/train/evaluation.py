@@ -1,0 +1,68 @@
+"""Held-out loss, computed on the parameters of the step it is reported with.
+
+The loop queues an evaluation right after the step it belongs to (before the next step is
+queued and donates the state), and reads the result when that step is logged: the device never
+waits for the host, and `eval_loss` at step N is the loss of the parameters after step N.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxtrain.parallel import pipeline
+from jaxtrain.config import Config
+from jaxtrain.data import build_eval_data
+from jaxtrain.parallel.sharding import global_batch
+from jaxtrain.train.state import StateLayout
+from jaxtrain.train.step import BATCH_KEYS, make_eval_step
+
+PendingEval = list[tuple[jax.Array, jax.Array]]  # (loss sum, token count) per batch, on device
+
+
+class Evaluator:
+    """Mean loss per token on `data.eval` (or the Markov source's held-out stream)."""
+
+    def __init__(self, cfg: Config, layout: StateLayout, process_index: int, process_count: int):
+        self.cfg, self.layout = cfg, layout
+        self.process_index, self.process_count = process_index, process_count
+        self.every = cfg.train.eval_every
+        stages = pipeline.schedule_for(cfg, dict(layout.mesh.shape))  # None unless mesh.stage > 1
+        self._step = jax.jit(make_eval_step(layout.graphdef, layout.mesh, layout.rules, stages),
+                             in_shardings=(layout.param_shardings, layout.batch_sharding),
+                             out_shardings=(layout.replicated, layout.replicated))
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` is an evaluation step (train.eval_every)."""
+        return self.every > 0 and step % self.every == 0
+
+    def dispatch(self, params: Any, num_batches: int | None = None) -> PendingEval | None:
+        """Queue the evaluation of `params` on the device; None when there is no eval data."""
+        data = build_eval_data(self.cfg, self.process_index, self.process_count)
+        if data is None:
+            return None
+        try:
+            pending = []
+            for _ in range(num_batches or self.cfg.train.eval_batches):
+                local = next(data)
+                batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.layout.mesh, self.layout.rules)
+                pending.append(self._step(params, batch))
+        finally:
+            if hasattr(data, "close"):
+                data.close()
+        return pending
+
+    @staticmethod
+    def result(pending: PendingEval | None) -> float | None:
+        """Read a dispatched evaluation (a host sync): mean loss per counted token."""
+        if pending is None:
+            return None
+        sums = jax.device_get(pending)
+        total = sum(float(loss) for loss, _ in sums)
+        count = sum(float(tokens) for _, tokens in sums)
+        return total / max(count, 1.0)
+
+    def evaluate(self, params: Any, num_batches: int | None = None) -> float | None:
+        """Evaluate `params` now (notebooks, tests)."""
+        return self.result(self.dispatch(params, num_batches))

@@ -1,0 +1,179 @@
+"""Failure as routine: the hang watchdog, straggler detection and the preflight health check, on real
+two-process jobs (gloo) started by `jaxtrain launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.config import FaultConfig
+from jaxtrain.fault.watchdog import LINGER_S, Watchdog
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs/tiny.yaml")
+SMALL = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=8",
+         "data.seq_len=16", "train.log_every=1"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ----------------------------------------------------------------------------- the watchdog alone
+
+
+class Recording(Watchdog):
+    """A watchdog that records what it would have done instead of exiting the test process."""
+
+    fired: list
+
+    def _fire(self, phase, step, stalled, deadline, job_hang=False):
+        self.fired.append((phase, step, deadline))
+
+
+def watchdog(tmp_path, **fault) -> Recording:
+    w = Recording(FaultConfig(**fault), output_dir=str(tmp_path), process_index=0, process_count=1, poll_s=0.02)
+    w.fired = []
+    return w
+
+
+def test_each_phase_has_its_own_deadline(tmp_path):
+    w = watchdog(tmp_path, hang_timeout_s=0.3, startup_timeout_s=1.5, checkpoint_timeout_s=1.0).start()
+    w.beat(0, "startup")
+    time.sleep(0.6)  # longer than a step may take, shorter than start-up may
+    assert w.fired == []
+    w.beat(1)  # the first step finished: from now on the step deadline counts
+    with w.phase("checkpoint"):
+        time.sleep(0.6)  # a save may take longer than a step
+    assert w.fired == []
+    time.sleep(0.6)  # back to steps, and none finishes
+    w.stop()
+    assert w.fired and w.fired[0][:2] == ("step", 1) and w.fired[0][2] == 0.3
+
+
+def test_idle_has_no_deadline_and_zero_turns_it_off(tmp_path):
+    w = watchdog(tmp_path, hang_timeout_s=0.1).start()
+    w.beat(3, "idle")  # between notebook calls: nobody is waiting for a step
+    time.sleep(0.4)
+    w.stop()
+    off = watchdog(tmp_path, hang_timeout_s=0)
+    assert w.fired == [] and not off.enabled and off.start()._thread is None
+
+
+def test_progress_is_shared_every_few_seconds_whatever_the_deadlines(tmp_path):
+    """A peer that declares a hang lingers LINGER_S for the others to notice: with the default
+    (long) start-up and checkpoint deadlines, they must still look within that time."""
+    w = Watchdog(FaultConfig(), output_dir=str(tmp_path), process_index=0, process_count=2)
+    assert FaultConfig().checkpoint_timeout_s / 4 > LINGER_S  # the deadlines alone would not do it
+    assert w._publish_every_s <= LINGER_S / 2
+
+
+def test_stacks_are_dumped_for_every_thread(tmp_path):
+    path = Path(watchdog(tmp_path, hang_timeout_s=1).dump_stacks())
+    text = path.read_text()
+    assert path.parent == tmp_path / "hangs" and "MainThread" in text and "test_stacks_are_dumped" in text
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+@pytest.fixture(scope="module")
+def child_env(tmp_path_factory) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
+    env["CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
+    return env
+
+
+def launch(env: dict, out: Path, *overrides: str, restarts: int = 0, timeout: int = 300,
+           processes: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", str(processes),
+                           "--cpu-devices", "1",
+                           "--max-restarts", str(restarts), "--grace-period-s", "2", "--", "train", "--config", TINY,
+                           *SMALL, f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={env['CACHE']}",
+                           *overrides], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_hung_process_is_detected_on_both_and_the_job_restarts_and_finishes(tmp_path, child_env):
+    """Process 1 stops after step 6; process 0 waits for it inside the next step's collective. Both
+    notice within hang_timeout_s, dump their stacks and exit 75; the launcher restarts the job, which
+    resumes from the step-5 checkpoint and finishes."""
+    out = tmp_path / "run"
+    r = launch(child_env, out, "train.steps=12", "checkpoint.every_steps=5", "fault.hang_timeout_s=4",
+               "chaos.hang_at_step=6", "chaos.hang_process=1", restarts=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    hangs = [e for e in events if e["kind"] == "hang"]
+    assert sorted(e["process"] for e in hangs) == [0, 1], hangs  # the hung one and the one waiting for it
+    for e in hangs:
+        assert e["phase"] == "step" and e["stalled_s"] <= 4 + 5 and e["host"]
+        assert Path(e["stacks"]).is_file() and e["behind"] == [1]  # process 1 stopped first
+    assert min(e["stalled_s"] for e in hangs) >= 4  # the first to notice waited out the deadline
+    stuck = next(e for e in hangs if e["process"] == 1)
+    assert "chaos.py" in Path(stuck["stacks"]).read_text()  # its stack shows where it hangs
+    assert [e["kind"] for e in events].count("restart") == 1
+    assert next(e for e in events if e["kind"] == "resume")["restored_step"] == 5
+    assert events[-1]["kind"] == "done" and events[-1]["step"] == 12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_slow_process_is_reported_as_a_straggler_and_a_clean_run_has_none(tmp_path, child_env):
+    slow = launch(child_env, tmp_path / "slow", "train.steps=16", "fault.straggler_every=4",
+                  "chaos.slow_process=1", "chaos.slow_seconds=0.3")
+    clean = launch(child_env, tmp_path / "clean", "train.steps=16", "fault.straggler_every=4")
+    assert slow.returncode == 0 and clean.returncode == 0, (slow.stderr[-2000:], clean.stderr[-2000:])
+    reports = [e for e in read_jsonl(tmp_path / "slow" / "events.jsonl") if e["kind"] == "straggler"]
+    assert len(reports) >= 2 and {e["process"] for e in reports} == {1}, reports
+    assert all(e["busy_s"] >= 0.3 and e["factor"] > 1.5 and e["host"] for e in reports)
+    assert reports[-1]["reports"] == len(reports)  # repeated reports are counted
+    assert read_jsonl(tmp_path / "slow" / "events.jsonl")[-1]["stragglers"] == {"1": len(reports)}
+    assert not [e for e in read_jsonl(tmp_path / "clean" / "events.jsonl") if e["kind"] == "straggler"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_preflight_names_a_slowed_process_and_can_stop_the_job(tmp_path, child_env):
+    warn = launch(child_env, tmp_path / "warn", "train.steps=2", "chaos.slow_process=1", "chaos.slow_seconds=0.05")
+    assert warn.returncode == 0, warn.stderr[-3000:]
+    report = next(e for e in read_jsonl(tmp_path / "warn" / "events.jsonl") if e["kind"] == "preflight")
+    assert report["named"] == [1] and report["processes"] == 2 and len(report["matmul_tflops"]) == 2
+    assert report["matmul_tflops"][1] < report["matmul_tflops"][0] and report["pairs_gbps"]["0-1"] > 0
+    stop = launch(child_env, tmp_path / "stop", "train.steps=2", "chaos.slow_process=1", "chaos.slow_seconds=0.05",
+                  "fault.preflight_action=exit")
+    assert stop.returncode == 75, stop.stderr[-3000:]
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "stop" / "events.jsonl")]
+    assert "preflight_failed" in kinds and "start" not in kinds
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_preflight_names_a_bad_link_between_two_of_three_processes(tmp_path, child_env):
+    """Only the link 0-2 is slow: the pair is named on every process alike, and no process is (one
+    slow pair does not say which end is bad); the run goes on."""
+    r = launch(child_env, tmp_path / "run", "train.steps=1", "data.global_batch_size=6", "chaos.slow_link=[0, 2]",
+               "chaos.slow_link_seconds=0.05", processes=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = next(e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "preflight")
+    assert report["slow_pairs"] == [[0, 2]] and report["named"] == [], report
+    assert set(report["pairs_gbps"]) == {"0-1", "0-2", "1-2"} and len(report["slow_pair_hosts"]) == 1
+    assert report["pairs_gbps"]["0-2"] < 0.5 * min(report["pairs_gbps"]["0-1"], report["pairs_gbps"]["1-2"])
+
+
+def test_preflight_alone_reports_every_mesh_axis(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "preflight", "--config", TINY, "mesh.data=2",
+                        "mesh.fsdp=2", "--cpu-devices", "4", "--json"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert set(report["axes_gbps"]) == {"data", "fsdp"} and report["named"] == []
+    assert all(v["all_reduce_gbps"] > 0 and v["all_gather_gbps"] > 0 for v in report["axes_gbps"].values())

@@ -1,0 +1,237 @@
+"""The Triton flash-attention kernels' math on CPU, under the Triton interpreter, against the XLA
+reference: forward output and dq, dk, dv.
+
+The kernels are launched directly on CPU torch tensors (TRITON_INTERPRET=1) with the same
+`launch_plan` the JAX wrapper uses. The JAX wrapper itself (custom VJP, D = rowsum(dO * O), the
+GQA sum of dk/dv, argument order) is tested through a stand-in for `jax_triton.triton_call` that
+runs the kernels the same way inside a `jax.pure_callback`; real jax-triton needs an NVIDIA GPU.
+
+Test-only dependencies (the `dev` extra): torch and triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+import pytest
+
+# Must be set before the @triton.jit decorators run (they pick the interpreter at decoration time).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402  (test-only dependencies of the `dev` extra: a missing one is a failure, not a skip)
+import triton  # noqa: E402,F401  (imported for its presence: the interpreter needs it)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads  # noqa: E402
+
+# Reload in case something imported the module before TRITON_INTERPRET was set.
+ta = importlib.reload(importlib.import_module("kernels.triton_attention"))
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}
+
+
+def _to_torch(x) -> "torch.Tensor":
+    a = np.asarray(x)
+    if a.dtype == ml_dtypes.bfloat16:  # torch.from_numpy knows no bfloat16: go through the bits
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _to_numpy(t: "torch.Tensor") -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _launch(kind, kernel, inputs, outputs, q_shape, kv_heads, dtype_name, causal, has_seg, block_sizes):
+    plan = ta.launch_plan(kind, q_shape, kv_heads, dtype_name, causal=causal, has_segments=has_seg,
+                          block_sizes=block_sizes)
+    kernel[plan.grid](*inputs, *plan.scalars, *outputs, **plan.meta)
+
+
+def run_kernels(q, k, v, do, q_seg, kv_seg, *, causal, block_sizes):
+    """Forward, dq and dk/dv kernels on torch tensors; returns numpy (out, dq, dk, dv)."""
+    B, L, N, H = q.shape
+    K = k.shape[2]
+    dtype_name = jnp.dtype(q.dtype).name
+    tq, tk, tv, tdo = (_to_torch(x) for x in (q, k, v, do))
+    has_seg = q_seg is not None
+    t_q_seg = _to_torch(q_seg) if has_seg else torch.zeros(1, dtype=torch.int32)
+    t_kv_seg = _to_torch(kv_seg) if has_seg else t_q_seg
+    common = (q.shape, K, dtype_name, causal, has_seg, block_sizes)
+
+    out = torch.empty_like(tq)
+    lse = torch.empty((B, N, L), dtype=torch.float32)
+    _launch("fwd", ta._fwd_kernel, (tq, tk, tv, t_q_seg, t_kv_seg), (out, lse), *common)
+
+    delta = (tdo.float() * out.float()).sum(-1).permute(0, 2, 1).contiguous()  # [B, N, L]
+    bwd_inputs = (tq, tk, tv, t_q_seg, t_kv_seg, tdo, lse, delta)
+    dq = torch.empty_like(tq)
+    _launch("dq", ta._dq_kernel, bwd_inputs, (dq,), *common)
+    dk_part = torch.empty((B, L, N, H), dtype=torch.float32)
+    dv_part = torch.empty_like(dk_part)
+    _launch("dkv", ta._dkv_kernel, bwd_inputs, (dk_part, dv_part), *common)
+    dk = dk_part.reshape(B, L, K, N // K, H).sum(3).to(tk.dtype)
+    dv = dv_part.reshape(B, L, K, N // K, H).sum(3).to(tv.dtype)
+    return tuple(_to_numpy(t) for t in (out, dq, dk, dv))
+
+
+def _check(seed, B, L, N, K, H, *, causal, segments, block_sizes, dtype=jnp.float32):
+    q, k, v, do, seg = random_inputs(seed, B, L, N, K, H, dtype, segments)
+    got = run_kernels(q, k, v, do, seg, seg, causal=causal, block_sizes=block_sizes)
+    ref_out, ref_grads = reference_output_and_grads(q, k, v, do, causal=causal, segment_ids=seg)
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), got, (ref_out, *ref_grads)):
+        assert g.dtype == ref.dtype and g.shape == ref.shape, name
+        assert_close(name, g, ref, tol)
+
+
+@pytest.mark.parametrize("causal, segments, K", [(True, True, 2), (False, True, 1)])
+def test_triton_kernels_match_an_independent_implementation(causal, segments, K):
+    """Against float64 numpy with a hand-written backward, not only against `mha_reference`."""
+    from independent_attention import attention_fwd_bwd
+    q, k, v, do, seg = random_inputs(7, 2, 40, 4, K, 16, jnp.float32, segments)
+    got = run_kernels(q, k, v, do, seg, seg, causal=causal, block_sizes=(16, 32))
+    want = attention_fwd_bwd(q, k, v, do, causal=causal, segment_ids=seg)
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert_close(name, g, ref, TOLERANCE["float32"])
+
+
+# (B, L, N, K, H, causal, segments, block_sizes, dtype)
+CASES = [
+    (2, 40, 4, 2, 16, True, True, (16, 32), jnp.float32),
+    (1, 33, 4, 1, 32, False, False, (16, 16), jnp.float32),
+    (2, 64, 2, 2, 16, True, False, (32, 16), jnp.float32),
+    (2, 17, 4, 1, 16, False, True, (16, 16), jnp.float32),
+    (2, 64, 2, 2, 16, True, False, (16, 16), jnp.bfloat16),
+    (1, 40, 4, 1, 16, False, True, (16, 16), jnp.bfloat16),
+    (1, 1, 2, 1, 16, True, False, None, jnp.float32),  # seq 1
+    (1, 24, 2, 1, 64, False, True, (16, 16), jnp.float32),  # head_dim 64
+    (1, 24, 2, 2, 128, True, True, (16, 16), jnp.float32),  # head_dim 128
+    (1, 20, 2, 1, 96, True, False, (16, 16), jnp.float32),  # head_dim not a power of two
+    (1, 130, 2, 1, 16, True, True, None, jnp.float32),  # default tiles, L not a multiple
+]
+
+
+def _case_id(case):
+    B, L, N, K, H, causal, segments, blocks, dtype = case
+    tiles = "default" if blocks is None else f"{blocks[0]}x{blocks[1]}"
+    return (f"L{L}-N{N}K{K}-H{H}-{'causal' if causal else 'full'}-{'seg' if segments else 'noseg'}"
+            f"-b{tiles}-{jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_triton_kernels_match_reference(case):
+    B, L, N, K, H, causal, segments, blocks, dtype = case
+    _check(100, B, L, N, K, H, causal=causal, segments=segments, block_sizes=blocks, dtype=dtype)
+
+
+def test_triton_segments_starting_mid_tile():
+    seg = jnp.asarray([[3] * 5 + [4] * 16 + [9] * 19, [0] * 13 + [1] * 27], jnp.int32)
+    q, k, v, do, _ = random_inputs(110, 2, 40, 4, 2, 16)
+    for causal in (True, False):
+        got = run_kernels(q, k, v, do, seg, seg, causal=causal, block_sizes=(16, 16))
+        ref_out, ref_grads = reference_output_and_grads(q, k, v, do, causal=causal, segment_ids=seg)
+        for name, g, ref in zip(("out", "dq", "dk", "dv"), got, (ref_out, *ref_grads)):
+            assert_close(name, g, ref, 1e-5)
+
+
+def test_triton_fully_masked_rows_are_zero_not_nan():
+    q_seg = jnp.asarray([[1] * 8 + [2] * 8 + [5] * 8], jnp.int32)
+    kv_seg = jnp.asarray([[1] * 8 + [2] * 8 + [7] * 8], jnp.int32)
+    q, k, v, do, _ = random_inputs(120, 1, 24, 2, 1, 16)
+    out, dq, dk, dv = run_kernels(q, k, v, do, q_seg, kv_seg, causal=False, block_sizes=(16, 16))
+    ref_out, ref_grads = reference_output_and_grads(q, k, v, do, causal=False, segment_ids=q_seg,
+                                                    kv_segment_ids=kv_seg)
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref_out, *ref_grads)):
+        assert_close(name, g, ref, 1e-5)
+    for x in (out, dq, dk, dv):
+        np.testing.assert_array_equal(x[:, 16:], 0.0)
+
+
+_AOT_SCRIPT = """
+import json, sys
+from kernels.triton_attention import aot_compile
+shared = {}
+for kind in ("fwd", "dq", "dkv"):
+    kernel = aot_compile(kind, (2, 4096, 16, 128), 4, "bfloat16", causal=True, has_segments=True)
+    shared[kind] = kernel.metadata.shared
+print(json.dumps(shared))
+"""
+
+
+def test_triton_kernels_compile_for_sm90_without_a_gpu():
+    # The real (non-interpreted) compiler path, in a child process without TRITON_INTERPRET:
+    # bf16, head_dim 128, causal, segments, default tiles, down to sm_90 machine code.
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind, nbytes in shared.items():
+        assert 0 < nbytes <= 227 * 1024, (kind, nbytes)  # Hopper's shared memory per block
+
+
+def test_launch_plan_rejects_bad_tiles():
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        ta.launch_plan("fwd", (1, 64, 2, 16), 1, "float32", causal=True, has_segments=False, block_sizes=(24, 32))
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        ta.launch_plan("dq", (1, 64, 2, 16), 1, "float32", causal=True, has_segments=False, block_sizes=(8, 16))
+
+
+# ------------------------------------------------------------------------------------------------
+# The JAX wrapper, with jax_triton.triton_call replaced by an interpreter-backed stand-in.
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_triton_call(*args, kernel, out_shape, grid, name="", num_warps=None, num_stages=None, **metaparams):
+    """jax_triton.triton_call's contract: array args and Python scalars in order, then one pointer
+    per `out_shape` entry appended, `metaparams` as constexpr keywords; one array or a list back."""
+    single = not isinstance(out_shape, (list, tuple))
+    out_shapes = [out_shape] if single else list(out_shape)
+    array_positions = [i for i, a in enumerate(args) if not isinstance(a, (bool, int, float))]
+
+    def host(*arrays):
+        call_args = list(args)
+        for i, a in zip(array_positions, arrays):
+            call_args[i] = _to_torch(a)
+        outs = [torch.empty(s.shape, dtype=_TORCH_DTYPES[jnp.dtype(s.dtype).name]) for s in out_shapes]
+        kernel[grid](*call_args, *outs, **metaparams)
+        return [_to_numpy(o) for o in outs]
+
+    results = jax.pure_callback(host, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes],
+                                *[args[i] for i in array_positions])
+    return results[0] if single else results
+
+
+@pytest.fixture
+def fake_jax_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=_fake_triton_call))
+
+
+@pytest.mark.parametrize(
+    "B, L, N, K, H, causal, segments, dtype",
+    [(2, 40, 4, 2, 16, True, True, jnp.float32), (1, 33, 4, 1, 16, False, False, jnp.bfloat16)],
+    ids=["gqa2-causal-seg-fp32", "mqa-full-bf16"],
+)
+def test_triton_jax_wrapper_with_stand_in_triton_call(fake_jax_triton, B, L, N, K, H, causal, segments, dtype):
+    q, k, v, do, seg = random_inputs(130, B, L, N, K, H, dtype, segments)
+    out, grads = output_and_grads(ta.triton_flash_attention, q, k, v, do, causal=causal, segment_ids=seg,
+                                  block_sizes=(16, 16))
+    ref_out, ref_grads = reference_output_and_grads(q, k, v, do, causal=causal, segment_ids=seg)
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    assert_close("out", out, ref_out, tol)
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == ref.dtype, name
+        assert_close(name, g, ref, tol)

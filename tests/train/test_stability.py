@@ -1,0 +1,365 @@
+"""Mixed precision that cannot ruin a run: policies, fp16 loss scaling, the in-step guard, spike
+detection and automatic rollback (jaxtrain/train/precision.py, jaxtrain/train/stability.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.extend import core as jax_core
+
+from jaxtrain.checkpoint import Checkpointer, list_checkpoints
+from jaxtrain.checkpoint.layout import MARKER
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.model.llama import Transformer
+from jaxtrain.train.precision import compute_dtype
+from jaxtrain.train.step import learning_rate_schedule, loss_sum
+from jaxtrain.trainer import Trainer
+from trees import assert_trees_equal, named_leaves
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs/tiny.yaml"
+SMALL = ["model.num_layers=1", "data.global_batch_size=8", "data.seq_len=32", "checkpoint.compilation_cache_dir=null"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def trainer(tmp_path, *overrides, devices=1, write_files=False) -> Trainer:
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", *SMALL, *overrides])
+    return Trainer(cfg, write_files=write_files, devices=jax.devices()[:devices])
+
+
+def host(tree):
+    return jax.tree_util.tree_map(lambda x: np.array(x), jax.device_get(tree))  # writable copies
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def test_bf16_keeps_fp32_parameters_and_optimizer_state_and_follows_fp32(tmp_path):
+    """bf16 compute, fp32 master weights: the loss curve stays within 2% of fp32's over 40 steps."""
+    curves = {}
+    for policy in ("fp32", "bf16"):
+        t = trainer(tmp_path, f"precision.policy={policy}", "train.steps=40")
+        curves[policy] = np.array([t.step()["loss"] for _ in range(40)])
+        dtypes = {x.dtype for x in jax.tree_util.tree_leaves((t.state["params"], t.state["opt_state"]))
+                  if jnp.issubdtype(x.dtype, jnp.floating)}
+        assert dtypes == {jnp.dtype(jnp.float32)}, (policy, dtypes)
+    assert curves["fp32"][0] - curves["fp32"][-1] > 1.0  # both really trained
+    np.testing.assert_allclose(curves["bf16"], curves["fp32"], rtol=0.02)
+    assert not np.array_equal(curves["bf16"], curves["fp32"])  # and bf16 really computed in bf16
+
+
+def equations(jaxpr: jax_core.Jaxpr) -> list[jax_core.JaxprEqn]:
+    """Every equation of a jaxpr, those nested in scans, jits and custom-gradient calls included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    out += equations(sub.jaxpr)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    out += equations(sub)
+    return out
+
+
+def test_bf16_computes_norms_softmax_logits_and_loss_in_fp32():
+    """Read off the loss function's jaxpr under bf16: the layers' matmuls run in bf16, while every
+    reduction and transcendental (RMSNorm's mean and rsqrt, the attention softmax, the loss's
+    logsumexp) runs in fp32, and the two matmuls that feed a softmax (attention scores and logits)
+    take bf16 operands but produce fp32."""
+    V, L = 72, 32  # a vocab size no other dimension has: a matmul whose output ends in V makes logits
+    cfg = load_config(TINY, [*SMALL, "precision.policy=bf16", f"model.vocab_size={V}"])
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), dtype=compute_dtype(cfg)))
+    graphdef, params = nnx.split(abstract)
+    batch = {k: jax.ShapeDtypeStruct((8, L), jnp.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    batch["loss_mask"] = jax.ShapeDtypeStruct((8, L), jnp.float32)
+    closed = jax.make_jaxpr(lambda p, b: loss_sum(p, graphdef, b))(nnx.to_pure_dict(params), batch)
+    eqns = equations(closed.jaxpr)
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+    fp32_ops = ("rsqrt", "exp", "log", "reduce_max", "reduce_sum")
+    assert {e.primitive.name for e in eqns} >= set(fp32_ops)
+    for e in eqns:
+        if e.primitive.name in fp32_ops:
+            assert {v.aval.dtype for v in (*e.invars, *e.outvars)} == {f32}, e
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert all({v.aval.dtype for v in e.invars} == {bf16} for e in dots)  # every matmul runs in bf16 ...
+    assert any(e.outvars[0].aval.dtype == bf16 for e in dots)  # ... the projections of the layers in bf16 out ...
+    softmax_inputs = [e for e in dots if e.outvars[0].aval.shape[-1] in (V, L)]  # ... logits, attention scores ...
+    assert {e.outvars[0].aval.shape[-1] for e in softmax_inputs} == {V, L}
+    assert all(e.outvars[0].aval.dtype == f32 for e in softmax_inputs)  # ... come out in fp32
+    assert [v.aval.dtype for v in closed.jaxpr.outvars] == [f32] * 4  # objective, cross-entropy, z-loss, tokens
+
+
+def test_fp16_scale_backs_off_on_overflow_and_grows_after_clean_steps(tmp_path):
+    t = trainer(tmp_path, "precision.policy=fp16", "precision.loss_scale_init=64", "precision.growth_interval=4",
+                "chaos.nan_at_steps=[3]", "train.steps=12")
+    records = [t.step() for _ in range(12)]
+    scales = [r["loss_scale"] for r in records]  # the scale each step used
+    assert scales[:3] == [64, 64, 64] and records[2]["skipped"]  # step 3: overflow -> skipped ...
+    assert scales[3:7] == [32, 32, 32, 32]  # ... scale halved; 4 clean steps later ...
+    assert scales[7] == 64 and not any(r["skipped"] for r in records[3:])  # ... grown back
+    assert records[-1]["skipped_steps"] == 1
+
+
+@pytest.mark.slow
+def test_fp16_with_injected_overflows_ends_within_2_percent_of_fp32(tmp_path):
+    """configs/tiny.yaml to the end: fp16 with dynamic scaling and three injected overflows."""
+    finals = {}
+    for policy, extra in (("fp32", []), ("fp16", ["chaos.nan_at_steps=[50,51,200]"])):
+        cfg = load_config(TINY, [f"run.output_dir={tmp_path / policy}", "checkpoint.compilation_cache_dir=null",
+                                 f"precision.policy={policy}", "train.log_every=1", *extra])
+        console = io.StringIO()
+        t = Trainer(cfg, console=console, devices=jax.devices()[:1])
+        t.fit()
+        t.close()
+        metrics = read_jsonl(tmp_path / policy / "metrics.jsonl")
+        finals[policy] = np.mean([m["loss"] for m in metrics[-3:]])
+        if policy == "fp16":
+            skipped = {m["step"] for m in metrics if m["skipped"]}
+            assert {50, 51, 200} <= skipped
+            events = read_jsonl(tmp_path / policy / "events.jsonl")
+            drills = [(e["step"], e["drill"]) for e in events if e["kind"] == "chaos"]
+            assert drills == [(50, "nan"), (51, "nan"), (200, "nan")]
+            assert {e["step"] for e in events if e["kind"] == "nonfinite_skipped"} == skipped  # overflows too
+            done = events[-1]
+            assert done["kind"] == "done" and done["skipped_steps"] == len(skipped)
+            last_line = [line for line in console.getvalue().splitlines() if line.startswith("step ")][-1]
+            assert last_line.endswith(f"  skipped {len(skipped)}"), last_line
+    assert abs(finals["fp16"] - finals["fp32"]) <= 0.02 * finals["fp32"], finals
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+def test_nonfinite_step_keeps_state_and_statistics_and_causes_no_false_spikes(tmp_path):
+    t = trainer(tmp_path, "chaos.nan_at_steps=[30]", "stability.min_history=5", "stability.window=10",
+                "stability.spike_threshold=4", "train.steps=45")
+    for _ in range(29):
+        t.step()
+    before = host(t.state)
+    record = t.step()  # step 30: NaN gradients
+    after = host(t.state)
+    assert record["skipped"] and np.isnan(record["loss"])
+    for part in ("params", "opt_state", "stability", "loss_scale"):
+        if part == "stability":  # only the skip counter moves; the running statistics are untouched
+            before[part]["skipped_steps"] += 1
+        assert_trees_equal(after[part], before[part], what=f"{part} ")
+    assert after["step"] == before["step"] + 1
+    flagged = [t.step() for _ in range(15)]
+    assert not any(r["spike"] or r["skipped"] for r in flagged)  # one NaN poisons nothing after it
+    # The learning rate reported is the one the update used: the schedule at the optimizer's own count,
+    # which the skipped step did not advance (step N after one skip: count N - 2, not N - 1).
+    schedule = learning_rate_schedule(t.cfg)
+    for r in [record, *flagged]:
+        count = r["step"] - 1 - (r["skipped_steps"] - r["skipped"])  # steps applied before this one
+        assert r["learning_rate"] == pytest.approx(float(schedule(count)), rel=1e-6), r["step"]
+        assert r["learning_rate"] != pytest.approx(float(schedule(count + 1)), rel=1e-4), r["step"]
+
+
+def test_a_skipped_spike_equals_never_seeing_that_batch(tmp_path):
+    """skip_spikes: the update of the spiked batch is not applied. The reference run never draws
+    that batch at all; parameters and optimizer state end bitwise equal."""
+    common = ["stability.min_history=5", "stability.spike_threshold=5", "train.steps=30"]
+    spiked = trainer(tmp_path / "a", *common, "stability.skip_spikes=true", "chaos.spike_at_steps=[20]",
+                     "chaos.spike_factor=50")
+    records = [spiked.step() for _ in range(25)]
+    assert [r["step"] for r in records if r["spike"]] == [20] and records[19]["skipped"]
+    reference = trainer(tmp_path / "b", *common)
+    for step in range(1, 25):
+        if step == 20:
+            reference.data.skip_batches(1)  # batch 19 (step 20's) is never drawn
+        reference.step()
+    assert_trees_equal(host(spiked.state["params"]), host(reference.state["params"]), what="params ")
+    assert_trees_equal(host(spiked.state["opt_state"]), host(reference.state["opt_state"]), what="opt_state ")
+
+
+def test_sharded_fp16_overflow_is_skipped_by_every_shard(tmp_path):
+    t = trainer(tmp_path, "precision.policy=fp16", "precision.loss_scale_init=64", "mesh.data=2", "mesh.fsdp=2",
+                "mesh.tensor=2", "model.num_heads=4", "model.num_kv_heads=2", "chaos.nan_at_steps=[3]",
+                "train.steps=3", devices=8)
+    t.step(), t.step()
+    shards_before = {(name, s.device.id): np.asarray(s.data) for name, x in _flat(t.state["params"]).items()
+                     for s in x.addressable_shards}
+    assert t.step()["skipped"]
+    for name, x in _flat(t.state["params"]).items():
+        for s in x.addressable_shards:
+            assert np.array_equal(np.asarray(s.data), shards_before[(name, s.device.id)]), (name, s.device)
+    assert float(t.state["loss_scale"]["scale"]) == 32.0
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_z_loss_is_added_and_reported(tmp_path):
+    plain = trainer(tmp_path, "train.steps=1").step()
+    with_z = trainer(tmp_path, "train.steps=1", "stability.z_loss=1e-2").step()
+    assert with_z["loss"] == plain["loss"]  # the cross-entropy itself is reported unchanged
+    assert with_z["z_loss"] > 0 and with_z["grad_norm"] != plain["grad_norm"]  # the objective did change
+
+
+# ----------------------------------------------------------------------------- rollback
+
+
+# Spikes at steps 29, 31, 33 (batches 28, 30, 32) with a checkpoint every 10 steps: the rollback at 33
+# goes back to step 20 (the last checkpoint before the first spike), discarding the committed step-30
+# checkpoint, and skips batches 20..34, past every bad one. The NaN at step 12 is one skipped step that
+# every later checkpoint carries (skipped_steps 1 in the progress line and the done event). Saves are
+# synchronous, so what a kill leaves committed does not depend on timing.
+ROLLBACK = ["train.steps=60", "train.log_every=1", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
+            "checkpoint.async_save=false",
+            "stability.min_history=5", "stability.window=20", "stability.spike_threshold=5",
+            "stability.max_spikes=3", "stability.skip_batches=15", "chaos.spike_at_steps=[29,31,33]",
+            "chaos.spike_factor=50", "chaos.nan_at_steps=[12]"]
+
+
+def train(out: Path, *extra: str, attempt: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "", "JAXTRAIN_RESTART_ATTEMPT": str(attempt)}
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), f"run.output_dir={out}",
+                           *SMALL, *ROLLBACK, *extra, "--cpu-devices", "1"], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def progress_lines(stdout: str) -> dict[int, str]:
+    """The progress line of each step printed (`step N  loss ...`); a step printed twice: the later."""
+    return {int(line.split()[1]): line for line in stdout.splitlines() if line.startswith("step ")}
+
+
+@pytest.mark.slow
+def test_persistent_spikes_roll_back_once_skip_the_bad_batches_and_survive_a_restart(tmp_path):
+    out = tmp_path / "run"
+    # First attempt: spikes at 29, 31, 33 -> one rollback to the step-20 checkpoint, discarding the
+    # step-30 one, 15 batches skipped; training goes on from 20, saves a new step-30 checkpoint and
+    # is killed at step 38.
+    killed = train(out, "chaos.kill_at_step=38")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1, rollbacks
+    rollback = rollbacks[0]
+    assert (rollback["from_step"], rollback["to_step"], rollback["spike_steps"]) == (33, 20, [29, 31, 33])
+    assert rollback["batches_skipped"] == 15 and rollback["discarded_checkpoints"] == [30]
+    # Every drill is in events.jsonl, and so is what the guard made of it (the NaN: skipped; the spikes).
+    drills = [(e["step"], e["drill"], e.get("batch")) for e in events if e["kind"] == "chaos"]
+    assert drills == [(12, "nan", 11), (29, "spike", 28), (31, "spike", 30), (33, "spike", 32), (38, "kill", None)]
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_skipped"] == [12]
+    spikes = [e for e in events if e["kind"] == "spike"]
+    assert [e["step"] for e in spikes] == [29, 31, 33] and all(e["loss_z"] > 5 and not e["skipped"] for e in spikes)
+    # The pre-rollback step-30 checkpoint is gone: the only step 30 listed was committed after the rollback.
+    listed = {c["step"]: c for c in list_checkpoints(str(out / "checkpoints")) if c["valid"]}
+    assert sorted(listed) == [10, 20, 30], listed
+    assert json.loads((Path(listed[30]["path"]) / MARKER).read_text())["unix_time"] > rollback["time"]
+    first_pass = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}  # later lines win
+    lines = progress_lines(killed.stdout)
+    assert "skipped" not in lines[11] and lines[12].endswith("  skipped 1") and lines[37].endswith("  skipped 1")
+
+    # The restart resumes from the new step-30 checkpoint, draws none of the bad batches again (the
+    # data position it restores is already past them), meets no spike, and finishes.
+    resumed = train(out, "chaos.kill_at_step=38", attempt=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    second = events[max(i for i, e in enumerate(events) if e["kind"] == "start"):]  # the restart's events
+    assert [e["kind"] for e in events].count("rollback") == 1  # no second rollback
+    assert next(e for e in second if e["kind"] == "resume")["restored_step"] == 30
+    assert not any(e["kind"] in ("chaos", "spike", "nonfinite_skipped") for e in second), second
+    assert (second[-1]["kind"], second[-1]["skipped_steps"], second[-1]["rollbacks"]) == ("done", 1, 1)
+    lines = progress_lines(resumed.stdout)
+    assert sorted(lines) == list(range(31, 61)) and all(line.endswith("  skipped 1") for line in lines.values())
+    metrics = read_jsonl(out / "metrics.jsonl")
+    after_restart = {m["step"]: m["loss"] for m in metrics}  # later lines win: the second attempt's
+    for step in range(31, 38):  # (38 was killed before it was logged) the same batches, the same losses
+        assert after_restart[step] == first_pass[step], step
+    assert not any(m["spike"] for m in metrics[-30:])  # the second attempt's steps 31..60
+    # Every committed checkpoint is finite, and its data position is its step, plus the 15 skipped
+    # batches after the rollback's target (the step-30 one included: the discarded one had 30).
+    checkpoints = Checkpointer(str(out / "checkpoints"), load_config(out / "config.yaml").checkpoint)
+    cfg = load_config(out / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
+    abstract = Trainer(cfg, write_files=False, devices=jax.devices()[:1]).abstract_state()
+    good = [c["step"] for c in list_checkpoints(str(out / "checkpoints")) if c["valid"]]
+    assert good == [10, 20, 30, 40, 50, 60]
+    for step in good:
+        state, extra = checkpoints.restore(step, abstract)
+        assert all(np.isfinite(v).all() for v in named_leaves(state).values() if v.dtype.kind == "f"), step
+        assert extra["data"]["index"] == step + (15 if step > 20 else 0), step
+
+
+class Died(Exception):
+    """Stands for the process dying at that point."""
+
+
+def test_a_rollback_that_died_before_discarding_is_completed_at_the_next_start(tmp_path):
+    """The process dies after recording the rollback (rollbacks.json) but before discarding the
+    step-30 checkpoint; the next start discards it, resumes from the target and skips the same batches."""
+    t = trainer(tmp_path, *ROLLBACK, write_files=True)
+
+    def die(step: int, committed_before: float | None = None) -> list[int]:
+        raise Died(f"discard_after({step})")
+
+    t.checkpointer.discard_after = die  # the rollback at step 33 dies here
+    with pytest.raises(Died, match=r"discard_after\(20\)"):
+        t.fit()
+    t.close()
+    assert [c["step"] for c in list_checkpoints(str(tmp_path / "checkpoints")) if c["valid"]] == [10, 20, 30]
+    recorded = json.loads((tmp_path / "checkpoints/rollbacks.json").read_text())["rollbacks"]
+    assert [r["to_step"] for r in recorded] == [20]
+
+    restarted = trainer(tmp_path, *ROLLBACK, write_files=True)
+    try:
+        assert [c["step"] for c in list_checkpoints(str(tmp_path / "checkpoints")) if c["valid"]] == [10, 20]
+        assert restarted.resumed_from == 20 and restarted.data.position == 20
+        record = restarted.step()  # step 21 draws batch 35: batches 20..34 (the bad 28, 30, 32 among them) skipped
+        assert restarted.data.position == 20 + 15 + 1 and not record["spike"]
+    finally:
+        restarted.close()
+
+
+@pytest.mark.slow
+def test_spikes_after_the_last_allowed_rollback_stop_the_run_with_exit_75(tmp_path):
+    out = tmp_path / "run"
+    r = train(out, "stability.max_rollbacks=0")
+    assert r.returncode == 75 and "stability.max_rollbacks=0" in r.stderr, r.stderr[-3000:]
+    assert read_jsonl(out / "events.jsonl")[-1]["kind"] == "rollback_limit"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("stability.window=-1", "stability.window' must be positive"),
+    ("stability.spike_threshold=0", "stability.spike_threshold' must be positive"),
+    ("precision.growth_factor=1", "precision.growth_factor' must be > 1"),
+    ("precision.backoff_factor=1.5", "precision.backoff_factor' must be within (0, 1)"),
+    ("precision.loss_scale_init=0", "precision.loss_scale_init' must be positive"),
+    ("precision.min_loss_scale=1e9", "at most precision.loss_scale_init"),
+    ("precision.growth_interval=0", "precision.growth_interval' must be positive"),
+    ("stability.max_spikes=-1", "stability.max_spikes' must be >= 0"),
+    ("stability.skip_batches=-3", "stability.skip_batches' must be >= 0"),
+    ("stability.max_rollbacks=-1", "stability.max_rollbacks' must be >= 0"),
+    ("stability.z_loss=-0.1", "stability.z_loss' must be >= 0"),
+    ("stability.min_history=1", "stability.min_history' must be at least 2"),
+    ("chaos.nan_at_steps=[0]", "chaos.nan_at_steps' must be a list of step numbers >= 1"),
+    ("chaos.spike_factor=0", "chaos.spike_factor' must be positive"),
+])
+def test_bad_numerics_keys_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(TINY, [override])
+
+
+def test_bad_numerics_key_exits_2_through_the_cli(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY),
+                        f"run.output_dir={tmp_path / 'r'}", "stability.window=0"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
