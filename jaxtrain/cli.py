@@ -82,6 +82,38 @@ def _inspect(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def _preflight(argv: list[str]) -> int:
+    """`jaxtrain preflight --config PATH [key=value ...] [--cpu-devices N] [--json]`: the check alone."""
+    from jaxtrain.config import load_config
+    from jaxtrain.exit_codes import EXIT_RESTART
+    p = Parser(prog="jaxtrain preflight", description="Measure every process's devices and links; name the bad ones.")
+    add_run_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    args = parse(p, argv)
+    cfg = load_config(args.config, args.overrides)
+    _start_jax(args.cpu_devices)
+    import jax
+
+    from jaxtrain.fault.preflight import run_preflight
+    from jaxtrain.fault.stragglers import job_hosts
+    from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
+    validate_against_devices(cfg, jax.device_count(), jax.process_count())
+    mesh = build_mesh(cfg.mesh, jax.devices())
+    report = run_preflight(cfg, mesh, job_hosts(jax.process_index(), jax.process_count()), lambda *a, **k: None)
+    if jax.process_index() == 0:
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(f"matmul TFLOP/s per process: {report['matmul_tflops']} (median {report['median_matmul_tflops']})")
+            for axis, b in report["axes_gbps"].items():
+                print(f"mesh axis {axis}: all-reduce {b['all_reduce_gbps']} GB/s, all-gather {b['all_gather_gbps']} GB/s")
+            for pair, v in report["pairs_gbps"].items():
+                print(f"processes {pair}: {v} GB/s")
+            print(f"below {report['factor']} x median: processes {report['named'] or 'none'}; "
+                  f"pairs {report['slow_pairs'] or 'none'}")
+    return EXIT_RESTART if report["named"] and cfg.fault.preflight_action == "exit" else EXIT_OK
+
+
 def _passthrough(module: str):
     """A verb whose module parses its own arguments: `main(argv) -> int`."""
     def run(argv: list[str]) -> int:
@@ -94,9 +126,10 @@ COMMANDS = {
     "train": (_train, "train (one process per host); resumes from the run directory"),
     "inspect": (_inspect, "compile the step from shapes alone; report FLOPs, memory and collectives"),
     "launch": (_passthrough("jaxtrain.launch.supervisor"), "start and supervise several local processes of one job"),
+    "recovery": (_passthrough("jaxtrain.launch.recovery_cli"), "for scheduler scripts: after a failed attempt, restart, isolate a node or give up"),
     "prepare-data": (_passthrough("jaxtrain.data.prepare"), "tokenize text/jsonl files into token files"),
     "checkpoints": (_passthrough("jaxtrain.checkpoint"), "list the checkpoints of a run directory"),
-    "preflight": (_passthrough("jaxtrain.fault.preflight"), "measure every process's devices and links; name the bad ones"),
+    "preflight": (_preflight, "measure every process's devices and links; name the bad ones"),
     "profile-summary": (_passthrough("jaxtrain.observe.profiling"), "split a run's profiled steps into compute, collectives and waits"),
     "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),
     "export-hf": (_passthrough("jaxtrain.hf.exporter"), "write a run's parameters as a Hugging Face Llama checkpoint"),

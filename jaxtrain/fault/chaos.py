@@ -18,34 +18,25 @@ from typing import Any, Callable
 import jax
 
 from jaxtrain.config import Config
-from jaxtrain.launch.supervisor import RESTART_ATTEMPT_ENV, SLOT_ENV
 
 CRASH_EXIT_CODE = 1  # what chaos.crash_process exits with: an ordinary crash, not "restart me"
-
-
-def restart_attempt() -> int:
-    """0 on a job's first attempt, n on its n-th restart."""
-    return int(os.environ.get(RESTART_ATTEMPT_ENV, "0") or 0)
-
-
-def launch_slot(process_index: int) -> int:
-    """The slot this process runs in: JAXTRAIN_SLOT under `jaxtrain launch`, else the process index.
-
-    Slots name places (nodes), processes name positions in the job: after an isolation the
-    processes are renumbered, the slots are not, so a bad slot's drill stops with the slot.
-    """
-    return int(os.environ.get(SLOT_ENV, "") or process_index)
 
 
 class Chaos:
     """The drills of one process; the loop calls `at_start()` once and `after_step()` every step."""
 
-    def __init__(self, cfg: Config, process_index: int, event: Callable[..., None]):
+    def __init__(self, cfg: Config, process_index: int, event: Callable[..., None], *, attempt: int = 0,
+                 slot: int | None = None):
+        """`attempt`: 0 on a job's first attempt, n on its n-th restart. `slot`: the `jaxtrain launch`
+        slot this process runs in (None: the process index). Slots name places (nodes), processes
+        name positions in the job: after an isolation the processes are renumbered, the slots are
+        not, so a bad slot's drill stops with the slot."""
         self.cfg = cfg.chaos
         self.process_index = process_index
         self.event = event
-        self.armed = restart_attempt() == 0
-        self.slot = launch_slot(process_index)
+        self.attempt = attempt
+        self.armed = attempt == 0
+        self.slot = process_index if slot is None else slot
         self.crashes = self.cfg.crash_process >= 0 and self.slot == self.cfg.crash_process
 
     def at_start(self) -> None:
@@ -59,9 +50,9 @@ class Chaos:
 
     def _crash(self, step: int) -> None:
         """Exit at once with an ordinary crash code, on every attempt (`chaos.crash_process`)."""
-        self.event("chaos", step, drill="crash", slot=self.slot, process=self.process_index, attempt=restart_attempt())
+        self.event("chaos", step, drill="crash", slot=self.slot, process=self.process_index, attempt=self.attempt)
         print(f"jaxtrain: chaos.crash_process: slot {self.slot} (process {self.process_index}) crashes at step {step} "
-              f"(attempt {restart_attempt()})", file=sys.stderr, flush=True)
+              f"(attempt {self.attempt})", file=sys.stderr, flush=True)
         os._exit(CRASH_EXIT_CODE)  # no cleanup, as a failing node gives none
 
     def batch_factor(self, batch_index: int, step: int) -> float:

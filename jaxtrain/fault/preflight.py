@@ -171,38 +171,3 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
               "action": cfg.fault.preflight_action}
     event("preflight", 0, **report)
     return report
-
-
-def main(argv: list[str]) -> int:
-    """`jaxtrain preflight --config PATH [key=value ...] [--cpu-devices N] [--json]`: the check alone."""
-    import json
-    import sys
-
-    from jaxtrain.arguments import Parser, add_run_arguments, parse
-    from jaxtrain.config import load_config
-    from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART
-
-    p = Parser(prog="jaxtrain preflight", description="Measure every process's devices and links; name the bad ones.")
-    add_run_arguments(p)
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    args = parse(p, argv)
-    cfg = load_config(args.config, args.overrides)
-    from jaxtrain.cli import _start_jax
-    _start_jax(args.cpu_devices)
-    from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
-    from jaxtrain.fault.stragglers import job_hosts
-    validate_against_devices(cfg, jax.device_count(), jax.process_count())
-    mesh = build_mesh(cfg.mesh, jax.devices())
-    report = run_preflight(cfg, mesh, job_hosts(jax.process_index(), jax.process_count()), lambda *a, **k: None)
-    if jax.process_index() == 0:
-        if args.json:
-            print(json.dumps(report))
-        else:
-            print(f"matmul TFLOP/s per process: {report['matmul_tflops']} (median {report['median_matmul_tflops']})")
-            for axis, b in report["axes_gbps"].items():
-                print(f"mesh axis {axis}: all-reduce {b['all_reduce_gbps']} GB/s, all-gather {b['all_gather_gbps']} GB/s")
-            for pair, v in report["pairs_gbps"].items():
-                print(f"processes {pair}: {v} GB/s")
-            print(f"below {report['factor']} x median: processes {report['named'] or 'none'}; "
-                  f"pairs {report['slow_pairs'] or 'none'}", file=sys.stdout)
-    return EXIT_RESTART if report["named"] and cfg.fault.preflight_action == "exit" else EXIT_OK

@@ -16,21 +16,22 @@ import os
 
 import jax
 
+from jaxtrain import env
 from jaxtrain.xla_cpu import has_accelerator_hint
 
 
 def cluster_env() -> dict[str, str | int] | None:
     """Explicit coordinates from JAXTRAIN_* variables, or None."""
-    addr = os.environ.get("JAXTRAIN_COORDINATOR")
+    addr = os.environ.get(env.COORDINATOR)
     if not addr:
         return None
     return {"coordinator_address": addr,
-            "num_processes": int(os.environ["JAXTRAIN_NUM_PROCESSES"]),
-            "process_id": int(os.environ["JAXTRAIN_PROCESS_ID"])}
+            "num_processes": int(os.environ[env.NUM_PROCESSES]),
+            "process_id": int(os.environ[env.PROCESS_ID])}
 
 
 def _autodetected_cluster() -> bool:
-    if os.environ.get("JAXTRAIN_AUTO_DISTRIBUTED") == "1":
+    if os.environ.get(env.AUTO_DISTRIBUTED) == "1":
         return True
     # SLURM only counts when the job step has more than one task (a plain `salloc` shell has one).
     if int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_STEP_NUM_TASKS", "1"))) > 1:

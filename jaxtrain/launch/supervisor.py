@@ -6,19 +6,22 @@ Each process runs `python -m jaxtrain.cli train ...` with JAXTRAIN_COORDINATOR (
 JAXTRAIN_NUM_PROCESSES and JAXTRAIN_PROCESS_ID set (read by jaxtrain.launch.distributed), plus
 JAXTRAIN_RESTART_ATTEMPT (0 on the first attempt). Output lines are prefixed with `[p{i}]`.
 
-Supervision (exit codes as in DESIGN §4):
+This module owns the processes: starting them, forwarding their output and signals, stopping them
+(SIGTERM, SIGKILL after --grace-period-s), and the `restart` / `isolate` / `isolate_refused` events.
+What to do when an attempt ends is `policy.decide` (exit codes as in DESIGN §4):
 - all processes exit 0 -> exit 0;
 - one exits 2 (bad config/usage/input) -> stop the others, exit 2; a user error is never restarted;
 - one exits 75 ("restart me"), exits non-zero otherwise, or dies from a signal -> stop the others
-  (SIGTERM, SIGKILL after --grace-period-s) and restart the whole job with the same command on a
-  new port, at most --max-restarts times. The trainer resumes from the latest checkpoint in
-  run.output_dir by itself; the launcher appends a `restart` event to <run.output_dir>/events.jsonl.
+  and restart the whole job with the same command on a new port, at most --max-restarts times. The
+  trainer resumes from the latest checkpoint in run.output_dir by itself; the launcher appends a
+  `restart` event to <run.output_dir>/events.jsonl.
 - SIGTERM/SIGINT sent to the launcher are forwarded to every process; the job is then not restarted.
-- Node isolation (`--isolate-after K`): when the same slot (process position) is the first to crash K
+- Node isolation (`--isolate-after K`): when the same slot (process position) is blamed for K
   attempts in a row, it is treated as a bad node: the job continues from its checkpoint without it, on
   fewer processes, with the data-parallel part of the mesh shrunk and `train.grad_accum` raised so that
-  the global batch and the data order stay exactly the same (`plan_shrink`). An `isolate` event names
-  the slot and host. Each process sees JAXTRAIN_SLOT, the slot it runs in (kept when other slots go).
+  the global batch and the data order stay exactly the same (`elastic.plan_shrink`). An `isolate`
+  event names the slot and host. Each process sees JAXTRAIN_SLOT, the slot it runs in (kept when
+  other slots go).
 
 The launcher never imports JAX: it only parses the config (to find run.output_dir) and watches
 processes, so it stays light and cannot grab devices its children need.
@@ -28,9 +31,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
-import json
-import math
 import os
 import signal
 import socket
@@ -41,14 +41,18 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from jaxtrain.arguments import Parser, parse, train_parser
-from jaxtrain.config import Config, ConfigError, load_config
+from jaxtrain import env
+from jaxtrain.arguments import Parser, parse
+from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE
-from jaxtrain.checkpoint.paths import is_remote
+from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
+from jaxtrain.launch.policy import (Attempt, Done, Exit, GiveUp, History, Isolate, Limits, Stop, decide,
+                                    exit_after_signal)
+from jaxtrain.launch.recovery_cli import print_blame, print_shrink
+from jaxtrain.launch.runfiles import count_events, last_known_step, read_events
+from jaxtrain.launch.train_command import child_command, split_train_argv
 from jaxtrain.observe.runlog import append_event
 
-RESTART_ATTEMPT_ENV = "JAXTRAIN_RESTART_ATTEMPT"  # 0 on the first attempt, n on the n-th restart
-SLOT_ENV = "JAXTRAIN_SLOT"  # the launcher slot a process runs in; slots keep their number when one is isolated
 POLL_INTERVAL_S = 0.1
 
 
@@ -86,66 +90,6 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def _last_step_in(path: Path) -> int:
-    # Only the file's tail: run files of long runs are large. A process killed mid-write may leave
-    # a torn last line, which is skipped.
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return -1
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # torn or foreign line: look further back
-    return -1
-
-
-def last_known_step(output_dir: str | Path | None) -> int:
-    """The last step the run recorded: the later of metrics.jsonl's and events.jsonl's last lines.
-
-    Args:
-      output_dir: the run directory (None: unknown).
-    Returns:
-      That step, or -1 when nothing was recorded (or the directory is remote). Metrics are logged
-      every train.log_every steps, events such as checkpoint_saved in between: either may be later.
-    """
-    if output_dir is None or is_remote(output_dir):
-        return -1
-    return max(_last_step_in(Path(output_dir) / "metrics.jsonl"), _last_step_in(Path(output_dir) / "events.jsonl"))
-
-
-def _event_lines(output_dir: str | Path | None) -> list[str]:
-    if output_dir is None or is_remote(output_dir) or not (Path(output_dir) / "events.jsonl").exists():
-        return []
-    return (Path(output_dir) / "events.jsonl").read_text().splitlines()
-
-
-def blamed_process(output_dir: str | Path | None, since_line: int = 0, since_time: float = 0.0) -> int | None:
-    """The one process the run's own events blame for an exit 75: events from line `since_line`
-    on, logged at UNIX time `since_time` or later.
-
-    A `hang` event names the processes furthest behind (`behind`), a failed preflight the slow
-    ones (`named`); exactly one is evidence against its node. None when no event blames, when it
-    blames several, or when the run directory is remote (the launcher reads local files only).
-    """
-    for line in _event_lines(output_dir)[since_line:]:
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if event.get("time", 0.0) < since_time:
-            continue
-        blamed = event.get("behind") if event.get("kind") == "hang" else (
-            event.get("named") if event.get("kind") == "preflight_failed" else None)
-        if blamed is not None:
-            return blamed[0] if len(blamed) == 1 else None
-    return None
-
-
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL it if the launcher dies (Linux only).
 
@@ -167,115 +111,6 @@ def _load_prctl():
 
 
 _PRCTL = _load_prctl()
-
-
-# ----------------------------------------------------------------------------- isolation: a smaller job
-
-MESH_AXES = ("data", "stage", "fsdp", "tensor")  # as jaxtrain.parallel.mesh.AXES, which imports JAX
-
-
-class ShrinkRefused(Exception):
-    """No smaller job trains the same thing; the message says why (the launcher then gives up)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Shrink:
-    """A job with fewer processes that trains exactly what the larger one did.
-
-    Attributes:
-      processes: processes left.
-      mesh: the resolved mesh sizes on the devices left (only `data` differs).
-      grad_accum: the new `train.grad_accum`.
-      overrides: `key=value` strings that turn the old command into the new one (later overrides win).
-    """
-
-    processes: int
-    mesh: dict[str, int]
-    grad_accum: int
-    overrides: list[str]
-
-
-def _resolved_mesh(cfg: Config, num_devices: int) -> dict[str, int]:
-    """The mesh sizes on `num_devices` devices, the one -1 axis filled (`jaxtrain.parallel.mesh.resolve_mesh_shape`
-    without JAX). Raises ShrinkRefused when they do not fit."""
-    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    fill = [a for a, v in sizes.items() if v == -1]
-    if (fill and num_devices % fixed) or (not fill and fixed != num_devices):
-        described = ", ".join(f"{a}={v}" for a, v in sizes.items())
-        raise ShrinkRefused(f"the mesh ({described}) does not fit {num_devices} devices")
-    if fill:
-        sizes[fill[0]] = num_devices // fixed
-    return sizes
-
-
-def plan_shrink(cfg: Config, num_processes: int, devices_per_process: int, remove: int = 1) -> Shrink:
-    """The job without `remove` of its processes, training the same run: same global batch, same data order.
-
-    What stays: `data.global_batch_size` (so the data loader, whose global order depends only on the
-    seed and the sample index, hands out the very same batches), and the model-parallel part of the
-    mesh (`stage`, `fsdp`, `tensor`: each parameter keeps its sharding). What changes: `mesh.data`
-    shrinks to the devices left, and `train.grad_accum` grows so that no device gets more rows per
-    microbatch than before (memory stays within what the larger job used). The loss is the mean over
-    all tokens of the step however it is split into microbatches, so the numbers change only by
-    float summation order. The checkpoint restores onto the smaller mesh.
-
-    Args:
-      cfg: the config the job runs with now (phase-1 parsed, overrides applied).
-      num_processes: processes in the job now.
-      devices_per_process: devices each process drives.
-      remove: processes to take away.
-    Returns:
-      The plan.
-    Raises:
-      ShrinkRefused: no process would be left, the devices left do not hold whole model replicas,
-        FSDP spans hosts, or no `train.grad_accum` splits the global batch over the devices left.
-    """
-    left = num_processes - remove
-    if left < 1:
-        raise ShrinkRefused(f"no process would be left of {num_processes}")
-    before, after = num_processes * devices_per_process, left * devices_per_process
-    sizes = _resolved_mesh(cfg, before)
-    model = sizes["stage"] * sizes["fsdp"] * sizes["tensor"]
-    if after % model:
-        raise ShrinkRefused(f"the {after} devices left ({left} processes x {devices_per_process}) do not split into "
-                            f"model replicas of mesh.stage x mesh.fsdp x mesh.tensor = {model} devices")
-    new = {**sizes, "data": after // model}
-    overrides = ["mesh.data=-1"]
-    # Any other axis set to -1 would grab the change instead of `data`: pin it to its current size.
-    overrides += [f"mesh.{a}={sizes[a]}" for a in MESH_AXES[1:] if getattr(cfg.mesh, a) == -1]
-    m = cfg.mesh
-    if m.dcn_fsdp > 1:
-        raise ShrinkRefused(f"mesh.dcn_fsdp={m.dcn_fsdp} spreads FSDP shards over hosts: without a host every "
-                            "parameter would need another layout; isolation only shrinks data parallelism")
-    if m.dcn_data > 1:  # the hybrid mesh needs one DCN slice per process (jaxtrain.parallel.mesh.build_mesh)
-        if new["data"] % left:
-            raise ShrinkRefused(f"mesh.data={new['data']} on the devices left is not divisible by the {left} "
-                                "processes left (mesh.dcn_data must equal the process count)")
-        overrides.append(f"mesh.dcn_data={left}")
-
-    axes = cfg.mesh.rules.get("batch") or []
-    axes = axes if isinstance(axes, list) else [axes]
-    ways, ways_left = math.prod(sizes[a] for a in axes), math.prod(new[a] for a in axes)
-    batch, accum = cfg.data.global_batch_size, cfg.train.grad_accum
-    if batch % left:
-        raise ShrinkRefused(f"data.global_batch_size={batch} is not divisible by the {left} processes left "
-                            "(each process loads an equal share of every batch)")
-    inner = [a for a in axes if a != "stage"]
-    inner_ways = math.prod(new[a] for a in inner)
-    lowest = -(-accum * ways // ways_left)  # no more rows per device and microbatch than before
-    for candidate in range(lowest, batch + 1):
-        micro = batch // candidate
-        if batch % candidate or micro % ways_left:
-            continue
-        if new["stage"] > 1 and (micro % cfg.pipeline.microbatches
-                                 or (micro // cfg.pipeline.microbatches) % inner_ways):
-            continue
-        overrides.append(f"train.grad_accum={candidate}")
-        return Shrink(processes=left, mesh=new, grad_accum=candidate, overrides=overrides)
-    raise ShrinkRefused(f"no train.grad_accum >= {lowest} splits data.global_batch_size={batch} into microbatches "
-                        f"divisible by the {ways_left}-way data parallelism left "
-                        f"({' x '.join(f'{a}={new[a]}' for a in axes)})")
 
 
 # ----------------------------------------------------------------------------- the supervisor
@@ -306,8 +141,8 @@ class Supervisor:
           grace_period_s: how long processes get after SIGTERM before SIGKILL.
           env: base environment of the processes (default: this process's).
           out, err: where the prefixed stdout/stderr lines go (default: sys.stdout / sys.stderr).
-          isolate_after: K > 0: a slot that is the first to crash K attempts in a row is isolated and
-            the job continues without it (0: never). Counts against max_restarts like any restart.
+          isolate_after: K > 0: a slot that is blamed for K attempts in a row is isolated and the
+            job continues without it (0: never). Counts against max_restarts like any restart.
           plan_isolation: `plan(processes_now, overrides_now) -> Shrink` for the job one process smaller
             (overrides_now: those of earlier isolations); raises ShrinkRefused when there is none. Its
             overrides replace the earlier ones at the end of `command`.
@@ -332,7 +167,7 @@ class Supervisor:
         self.isolate_after = isolate_after
         self.plan_isolation = plan_isolation
         self.host = host or socket.gethostname()
-        self._streak: tuple[int | None, int] = (None, 0)  # (slot, how many attempts in a row it crashed first)
+        self.history = History()  # which slot each failed attempt counted against (policy.History)
         self.output_dir = output_dir  # kept as given: Path() would mangle gs://...
         self.max_restarts = max_restarts
         self.port = port
@@ -345,6 +180,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._exit_order: list[int] = []  # processes of this attempt in the order they exited
         self._exit_lock = threading.Lock()
+        self._events_at_start = 0  # events.jsonl lines before this attempt started
         self._stop_signal: int | None = None  # set when the launcher itself was told to stop
 
     # -- output
@@ -369,19 +205,19 @@ class Supervisor:
 
     def _start(self, attempt: int, port: int) -> None:
         self._procs, self._threads, self._exit_order = [], [], []
-        self._events_at_start = len(_event_lines(self.output_dir))  # this attempt's events come after
+        self._events_at_start = count_events(self.output_dir)  # this attempt's events come after
         for i in range(self.num_processes):
-            env = {**self.env,
-                   "JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}",
-                   "JAXTRAIN_NUM_PROCESSES": str(self.num_processes),
-                   "JAXTRAIN_PROCESS_ID": str(i),
-                   SLOT_ENV: str(self.slots[i]),
-                   RESTART_ATTEMPT_ENV: str(attempt),
-                   "PYTHONUNBUFFERED": "1"}  # lines reach us (and the user) as they are printed
+            child_env = {**self.env,
+                         env.COORDINATOR: f"127.0.0.1:{port}",
+                         env.NUM_PROCESSES: str(self.num_processes),
+                         env.PROCESS_ID: str(i),
+                         env.SLOT: str(self.slots[i]),
+                         env.RESTART_ATTEMPT: str(attempt),
+                         "PYTHONUNBUFFERED": "1"}  # lines reach us (and the user) as they are printed
             # start_new_session: each child leads its own process group, so signals we send reach
             # its helpers too (killpg), and a terminal's Ctrl-C reaches only us (we forward it once).
             self._procs.append(subprocess.Popen(
-                self.command + self.extra_args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                self.command + self.extra_args, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, preexec_fn=_die_with_parent))
         # Threads start only after every fork: forking (with preexec_fn) while other threads run is
         # what Python warns against.
@@ -433,26 +269,22 @@ class Supervisor:
         for t in self._threads:
             t.join(timeout=5.0)  # the pipes close when the processes are gone
 
-    def _wait(self) -> tuple[int, int] | None:
-        """Wait for the job. Returns None when every process exited 0, else (process, returncode) of
-        the failure that decides what happens next (the first to exit), after every other process
-        has been stopped."""
+    def _wait(self) -> list[Exit] | None:
+        """Wait for the job. Returns None when the launcher was signalled; else the exits known when
+        the first process failed (in the order they happened; every other process has then been
+        stopped), or every process's exit 0."""
         while True:
             if self._stop_signal is not None:
                 return None  # run() handles the forwarded signal
             with self._exit_lock:
                 order = list(self._exit_order)
             codes = [p.returncode for p in self._procs]  # set by the waiter threads
-            failed = [(i, codes[i]) for i in order if codes[i] != EXIT_OK]
-            if failed:
-                # A user error anywhere wins: restarting would only fail the same way again.
-                user = [f for f in failed if f[1] == EXIT_USAGE]
-                first = (user or failed)[0]
+            if any(codes[i] != EXIT_OK for i in order):
                 self._stop_all()
-                return first
+                return [Exit(i, codes[i]) for i in order]
             if all(c == EXIT_OK for c in codes):
                 self._join_output()
-                return None
+                return [Exit(i, EXIT_OK) for i in range(len(codes))]
             time.sleep(POLL_INTERVAL_S)
 
     # -- signals
@@ -468,12 +300,7 @@ class Supervisor:
         signum = self._stop_signal
         self.say(f"received {signal.Signals(signum).name}: forwarded to all processes; not restarting")
         self._stop_all(already_signalled=True)
-        codes = [p.returncode for p in self._procs]
-        if codes and all(c == EXIT_OK for c in codes):
-            return EXIT_OK
-        if EXIT_RESTART in codes:
-            return EXIT_RESTART  # e.g. preempted after an emergency save: the scheduler should requeue
-        return 128 + signum
+        return exit_after_signal([p.returncode for p in self._procs], signum)
 
     # -- the loop
 
@@ -503,49 +330,37 @@ class Supervisor:
             port = self.port + attempt if self.port else free_port()
             self.say(f"attempt {attempt}: starting {self.num_processes} processes, coordinator 127.0.0.1:{port}")
             self._start(attempt, port)
-            failure = self._wait()
-            if self._stop_signal is not None:
+            exits = self._wait()
+            if self._stop_signal is not None or exits is None:
                 return self._finish_after_signal()
-            if failure is None:
+            ended = Attempt(exits=tuple(exits), slots=tuple(self.slots),
+                            events=tuple(read_events(self.output_dir, self._events_at_start)))
+            decision = decide(ended, self.history,
+                              Limits(restarts_left=self.max_restarts - attempt, isolate_after=self.isolate_after))
+            if isinstance(decision, Done):
                 self.say("all processes exited 0")
                 return EXIT_OK
-            proc, code = failure
-            reason = f"process {proc} {describe_exit(code)}"
-            if code == EXIT_USAGE:
-                self.say(f"{reason} (user error): stopped the others; not restarting")
+            if isinstance(decision, Stop):
+                self.say(f"process {decision.process} {describe_exit(EXIT_USAGE)} (user error): stopped the others; "
+                         "not restarting")
                 return EXIT_USAGE
-            slot = suspect = self.slots[proc]
-            if code == EXIT_RESTART:  # a decision, not a crash: blame only whom the run's events name
-                blamed = blamed_process(self.output_dir, self._events_at_start)
-                suspect = self.slots[blamed] if blamed is not None and blamed < len(self.slots) else None
-            failures = self._count_failure(suspect)
-            if attempt >= self.max_restarts:
+            self.history = decision.history
+            failure = decision.failure
+            reason = f"process {failure.process} {describe_exit(failure.code)}"
+            if isinstance(decision, GiveUp):
                 self.say(f"{reason}; no restarts left (--max-restarts {self.max_restarts}): giving up")
-                return code if code > 0 else 128 - code
-            if self.isolate_after and failures >= self.isolate_after and not self._isolate(suspect, failures):
-                return code if code > 0 else 128 - code  # no smaller job exists: the original failure stands
+                return decision.code
+            if isinstance(decision, Isolate) and not self._isolate(decision.slot, decision.history.streak):
+                return decision.fallback.code  # no smaller job exists: the original failure stands
             attempt += 1
+            code = failure.code
             append_event(self.output_dir, "restart", last_known_step(self.output_dir), attempt=attempt,
-                         max_restarts=self.max_restarts, process=proc, slot=slot,
+                         max_restarts=self.max_restarts, process=failure.process, slot=failure.slot,
                          exit_code=code if code >= 0 else None,
                          signal=signal.Signals(-code).name if code < 0 else None, reason=reason)
             self.say(f"{reason}: restarting the job (restart {attempt} of {self.max_restarts})")
 
     # -- isolation
-
-    def _count_failure(self, slot: int | None) -> int:
-        """Record that `slot` failed first in this attempt; returns how many attempts in a row it has.
-
-        None: nobody is to blame. Exit 75 ("restart me": preempted, rollback budget) is a decision
-        the process took, not evidence against its node, so it breaks the streak, unless the run's
-        events name one process: the one a hang left furthest behind, or the one a preflight named.
-        """
-        if slot is None:
-            self._streak = (None, 0)
-            return 0
-        previous, count = self._streak
-        self._streak = (slot, count + 1 if previous == slot else 1)
-        return self._streak[1]
 
     def _isolate(self, slot: int, failures: int) -> bool:
         """Continue without `slot`: plan the smaller job, log an `isolate` event. False when refused."""
@@ -566,7 +381,6 @@ class Supervisor:
         self.slots.remove(slot)
         self.num_processes = plan.processes
         self.extra_args = list(plan.overrides)
-        self._streak = (None, 0)
         return True
 
 
@@ -595,70 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices-per-process", type=int, default=None, metavar="N",
                         help="devices each process drives, for planning an isolation (default: --cpu-devices)")
     parser.add_argument("--print-shrink", action="store_true",
-                        help="print the overrides that continue this job on one process fewer, and exit "
-                             "(for SLURM/Kubernetes resizes; exit 1 with the reason when there are none)")
+                        help="kept for compatibility, as `jaxtrain recovery shrink`: print the overrides that "
+                             "continue this job on one process fewer, and exit (exit 1 with the reason when there "
+                             "are none)")
     parser.add_argument("--print-blame", type=float, default=None, metavar="T",
-                        help="print the process that the run's events since UNIX time T blame for an exit 75 "
-                             "(a hang's process furthest behind, a failed preflight's slow one), and exit "
-                             "(for SLURM scripts; exit 1 when they blame no single process)")
+                        help="kept for compatibility, as `jaxtrain recovery blame --since T`: print the process "
+                             "that the run's events since UNIX time T blame for an exit 75, and exit (exit 1 when "
+                             "they blame no single process)")
     return parser
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainCommand:
-    """What the launched processes run, and what the launcher needs to know about it.
-
-    Attributes:
-      argv: the command of every process (`python -m jaxtrain.cli train ...`).
-      config: the --config path.
-      overrides: the `key=value` overrides as given.
-      cpu_devices: --cpu-devices, from `launch` or from `train` (None: not given).
-      cfg: the phase-1 parsed config.
-    """
-
-    argv: list[str]
-    config: str
-    overrides: list[str]
-    cpu_devices: int | None
-    cfg: Config
-
-
-def child_command(train_argv: list[str], cpu_devices: int | None) -> TrainCommand:
-    """The command every process runs, with its config parsed (phase 1).
-
-    Args:
-      train_argv: what follows `--`: `train --config PATH [k=v ...] [--cpu-devices N] [--progress]`.
-      cpu_devices: the launcher's --cpu-devices (None: not given).
-    Returns:
-      The command and what it was made of.
-    Raises:
-      ConfigError: not a `train` command, --cpu-devices given twice, or a bad config (phase 1).
-    """
-    if not train_argv or train_argv[0] != "train":
-        raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
-    args = parse(train_parser(), train_argv[1:])  # the same parser `jaxtrain train` uses: same rules
-    if cpu_devices is not None and args.cpu_devices is not None:
-        raise ConfigError("--cpu-devices given both to `launch` and to `train`: give it once")
-    # Phase-1 config check here, once, so a typo fails fast instead of in P processes. Phase 2 (mesh
-    # vs devices) needs JAX and happens in the children, which then exit 2.
-    cfg = load_config(args.config, args.overrides)
-    argv = [sys.executable, "-m", "jaxtrain.cli", *train_argv]
-    if cpu_devices is not None:
-        argv += ["--cpu-devices", str(cpu_devices)]
-    return TrainCommand(argv=argv, config=args.config, overrides=list(args.overrides),
-                        cpu_devices=cpu_devices if cpu_devices is not None else args.cpu_devices, cfg=cfg)
-
-
-def isolation_planner(train: TrainCommand, devices_per_process: int) -> Callable[[int, list[str]], Shrink]:
-    """`plan(processes_now, overrides_now)` for the Supervisor: the job one process smaller, planned
-    from the config as the processes run it now (the user's overrides, then earlier isolations')."""
-    def plan(processes: int, extra: list[str]) -> Shrink:
-        try:
-            cfg = load_config(train.config, [*train.overrides, *extra])
-        except ConfigError as e:  # the shrunk config breaks a phase-1 rule: no valid shrink
-            raise ShrinkRefused(str(e)) from None
-        return plan_shrink(cfg, processes, devices_per_process)
-    return plan
 
 
 def main(argv: list[str]) -> int:
@@ -672,11 +430,7 @@ def main(argv: list[str]) -> int:
     Raises:
       ConfigError: bad options or config (the CLI prints it and exits 2).
     """
-    if "--" in argv:
-        split = argv.index("--")
-        own, train_argv = argv[:split], argv[split + 1:]
-    else:
-        own, train_argv = argv, []
+    own, train_argv = split_train_argv(argv)
     try:
         args = parse(build_parser(), own)
     except SystemExit as e:  # --help
@@ -685,26 +439,16 @@ def main(argv: list[str]) -> int:
         raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
     train = child_command(train_argv, args.cpu_devices)
     if args.print_blame is not None:
-        blamed = blamed_process(train.cfg.run.output_dir, since_time=args.print_blame)
-        if blamed is None:
-            print("jaxtrain launch: the run's events blame no single process", file=sys.stderr)
-            return 1
-        print(blamed)
-        return EXIT_OK
+        return print_blame(train.cfg.run.output_dir, args.print_blame, "jaxtrain launch")
     devices = args.devices_per_process if args.devices_per_process is not None else train.cpu_devices
     if devices is not None and devices < 1:
         raise ConfigError(f"--devices-per-process must be at least 1, got {devices}")
     if (args.isolate_after or args.print_shrink) and devices is None:
         raise ConfigError("--isolate-after and --print-shrink need the devices of each process to shrink the mesh: "
                           "give --cpu-devices N or --devices-per-process N (the launcher never starts JAX to count them)")
-    planner = isolation_planner(train, devices) if devices is not None else None
+    planner = shrink_planner(train.config, train.overrides, devices) if devices is not None else None
     if args.print_shrink:
-        try:
-            print(" ".join(planner(args.num_processes, []).overrides))
-        except ShrinkRefused as e:
-            print(f"jaxtrain launch: no smaller job: {e}", file=sys.stderr)
-            return 1
-        return EXIT_OK
+        return print_shrink(planner, args.num_processes, "jaxtrain launch")
     supervisor = Supervisor(train.argv, args.num_processes, output_dir=train.cfg.run.output_dir,
                             max_restarts=args.max_restarts, port=args.port, grace_period_s=args.grace_period_s,
                             isolate_after=args.isolate_after, plan_isolation=planner)

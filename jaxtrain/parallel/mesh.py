@@ -8,7 +8,6 @@ devices form a contiguous block of the batch (the data loader relies on that).
 from __future__ import annotations
 
 import math
-import os
 from typing import Sequence
 
 import jax
@@ -17,30 +16,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from jaxtrain.config import Config, ConfigError, MeshConfig, validate_pipeline
-from jaxtrain.launch.supervisor import SLOT_ENV
-
-AXES = ("data", "stage", "fsdp", "tensor")
-
-
-def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
-    """Sizes for every mesh axis, filling the one `-1` axis with the remaining devices.
-
-    Raises:
-      ConfigError: when the sizes do not multiply to `num_devices`.
-    """
-    sizes = {a: getattr(mesh_cfg, a) for a in AXES}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    fill = [a for a, v in sizes.items() if v == -1]
-    described = ", ".join(f"{a}={v}" for a, v in sizes.items())
-    if fill:
-        if num_devices % fixed:
-            raise ConfigError(f"mesh ({described}) does not divide the {num_devices} devices: "
-                              f"the fixed axes multiply to {fixed}")
-        sizes[fill[0]] = num_devices // fixed
-    elif fixed != num_devices:
-        raise ConfigError(f"mesh ({described}) multiplies to {fixed} but there are {num_devices} devices; "
-                          "make the product match or set one axis to -1")
-    return sizes
+from jaxtrain.parallel.mesh_shape import AXES, resolve_mesh_shape  # JAX-free: the launcher uses them too
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -73,18 +49,21 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
     return Mesh(grid, AXES)
 
 
-def validate_against_devices(cfg: Config, num_devices: int, num_processes: int = 1) -> dict[str, int]:
+def validate_against_devices(cfg: Config, num_devices: int, num_processes: int = 1,
+                             under_launcher: bool = False) -> dict[str, int]:
     """Phase 2: rules that need the device and process counts. Returns the resolved mesh sizes.
 
     Runs after distributed init and before anything is written (the counts are not known
     before that). Per-parameter divisibility is checked later by `sharding.param_shardings`.
+    `under_launcher`: the processes run in `jaxtrain launch` slots (`chaos.crash_process` then
+    names a slot, which may be an isolated one, not a process of this job).
     """
     c = cfg.chaos
     drills = {"chaos.kill_process": (c.kill_process, c.kill_at_step >= 0),
               "chaos.slow_process": (c.slow_process, c.slow_seconds > 0 or c.start_delay_s > 0),
               "chaos.hang_process": (c.hang_process, c.hang_at_step >= 0),
               **{f"chaos.slow_link[{k}]": (p, True) for k, p in enumerate(c.slow_link)}}
-    if not os.environ.get(SLOT_ENV):  # under `jaxtrain launch` it is a slot, which may be an isolated one
+    if not under_launcher:  # under `jaxtrain launch` it is a slot, which may be an isolated one
         drills["chaos.crash_process"] = (c.crash_process, c.crash_process >= 0)
     for key, (process, enabled) in drills.items():
         if enabled and not 0 <= process < num_processes:

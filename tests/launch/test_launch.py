@@ -27,8 +27,10 @@ import pytest
 from trees import assert_trees_close, assert_trees_equal, final_params
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.launch.supervisor import (RESTART_ATTEMPT_ENV, SLOT_ENV, Shrink, ShrinkRefused, Supervisor, last_known_step, main,
-                             plan_shrink)
+from jaxtrain.env import RESTART_ATTEMPT as RESTART_ATTEMPT_ENV, SLOT as SLOT_ENV
+from jaxtrain.launch.elastic import Shrink, ShrinkRefused, plan_shrink
+from jaxtrain.launch.runfiles import last_known_step
+from jaxtrain.launch.supervisor import Supervisor, main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/tiny.yaml"
@@ -352,21 +354,19 @@ def test_crash_drill_fires_on_every_attempt_in_its_slot_only(monkeypatch):
 
     monkeypatch.setattr(chaos.os, "_exit", exit_)
     events = []
-    for attempt in ("0", "3"):
-        monkeypatch.setenv(RESTART_ATTEMPT_ENV, attempt)
-        monkeypatch.setenv(SLOT_ENV, "1")
+    for attempt in (0, 3):
         with pytest.raises(Crashed, match="1"):
-            chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: events.append((a, k))).at_start()
-        late = chaos.Chaos(tiny("chaos.crash_process=1", "chaos.crash_at_step=3"), 1, lambda *a, **k: None)
+            chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: events.append((a, k)), attempt=attempt,
+                        slot=1).at_start()
+        late = chaos.Chaos(tiny("chaos.crash_process=1", "chaos.crash_at_step=3"), 1, lambda *a, **k: None,
+                           attempt=attempt, slot=1)
         late.at_start()
         late.after_step(2, None)
         with pytest.raises(Crashed):
             late.after_step(4, None)  # resumed past step 3: the first step it runs crashes
     assert events[0][0] == ("chaos", 0) and events[0][1]["drill"] == "crash" and events[0][1]["slot"] == 1
     # After an isolation slot 2 runs as process 1: no crash. Outside the launcher the slot is the process index.
-    monkeypatch.setenv(SLOT_ENV, "2")
-    chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: None).at_start()
-    monkeypatch.delenv(SLOT_ENV)
+    chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: None, slot=2).at_start()
     with pytest.raises(Crashed):
         chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: None).at_start()
     with pytest.raises(ConfigError, match="chaos.crash_process"):

@@ -9,8 +9,8 @@
   lifetime (`Reason=BeginTime`, about 2-3 minutes with the default `AuthInfo` cred_expire); the test
   releases it with `scontrol update StartTime=now` instead of waiting.
 
-Leaving a failed node out (ISOLATE_AFTER: `srun --exclude` of the node, with the overrides of
-`jaxtrain launch --print-shrink`) needs two nodes: the script's logic for it runs here against
+Leaving a failed node out (ISOLATE_AFTER: `srun --exclude` of the node, with the overrides that
+`jaxtrain recovery decide` prints) needs two nodes: the script's logic for it runs here against
 stand-in `srun`/`squeue`/`scontrol` commands that play a 2-node allocation (no cluster needed); a
 real multi-node exclusion was not run. So does the blame of an exit 75: a hang event of the attempt
 that names one task counts against that task's node; a plain exit 75 blames nobody. The drills

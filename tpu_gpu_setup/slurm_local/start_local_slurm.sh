@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real one-node SLURM cluster on this machine, for trying `srun`/`sbatch` recipes and for
-# tests/test_slurm.py. Debian/Ubuntu, run as root. Idempotent: run it again at any time; it installs
+# tests/launch/test_slurm.py. Debian/Ubuntu, run as root. Idempotent: run it again at any time; it installs
 # what is missing, (re)writes the config, and starts only the daemons that are not running.
 #
 #   sudo tpu_gpu_setup/slurm_local/start_local_slurm.sh

@@ -1,0 +1,45 @@
+"""The `JAXTRAIN_*` environment variables: the one place their names are written in Python.
+
+They are the contract between whoever starts a process (`jaxtrain launch`, `train.sbatch`, the
+Kubernetes JobSet, the TPU launch script) and the process itself. The cluster recipes spell the
+same names in shell/YAML; `tests/launch/test_env_contract.py` checks that every name they set is
+one of these and that the ones a process needs are set. Only entry points read the environment
+(`cli`, `launch/`, and `trainer` at start-up, which hands the values down as arguments).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Joining a job (`launch/distributed.py`).
+COORDINATOR = "JAXTRAIN_COORDINATOR"  # host:port of process 0's coordination service
+NUM_PROCESSES = "JAXTRAIN_NUM_PROCESSES"  # processes in the job
+PROCESS_ID = "JAXTRAIN_PROCESS_ID"  # this process's index, 0 .. NUM_PROCESSES - 1
+AUTO_DISTRIBUTED = "JAXTRAIN_AUTO_DISTRIBUTED"  # "1": a bare jax.distributed.initialize() (TPU pods, ...)
+
+# Restarts and isolation.
+RESTART_ATTEMPT = "JAXTRAIN_RESTART_ATTEMPT"  # 0 on the first attempt, n on the n-th restart
+SLOT = "JAXTRAIN_SLOT"  # the launcher slot a process runs in; kept when another slot is isolated
+
+# train.sbatch's bookkeeping (set and read by the script and its task wrapper).
+SLURM_STATE = "JAXTRAIN_SLURM_STATE"  # folder of the job's attempts and failures
+EXITS = "JAXTRAIN_EXITS"  # per-attempt file: one "time task node exit-code" line per task
+
+ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS)
+
+# Settings of the setup scripts themselves, never read by a jaxtrain process.
+SCRIPT_SETTINGS = (
+    "JAXTRAIN_VENV",  # train.sbatch: the virtualenv to activate on every node
+    "JAXTRAIN_GPU_CHECK_PYTHON", "JAXTRAIN_GPU_CHECK_WHEELS", "JAXTRAIN_GPU_CHECK_TOTAL_S",  # gpu/check_all.sh
+)
+
+
+def restart_attempt(environ: os._Environ | dict = os.environ) -> int:
+    """Which attempt of the job this process belongs to (0 unless a launcher says otherwise)."""
+    return int(environ.get(RESTART_ATTEMPT, "0") or 0)
+
+
+def launcher_slot(environ: os._Environ | dict = os.environ) -> int | None:
+    """The `jaxtrain launch` slot of this process, or None outside the launcher."""
+    value = environ.get(SLOT, "")
+    return int(value) if value else None

@@ -1,0 +1,333 @@
+"""The recovery policy: what to do once an attempt of a job has ended. Pure functions, no I/O.
+
+One attempt in (how each process exited and in which order, the events the run logged meanwhile),
+plus the failure history and the limits; one decision out:
+
+    decide(attempt, history, limits) -> Done | Stop | Restart | Isolate | GiveUp
+
+The rules (exit codes as in DESIGN §4):
+- every process exited 0 -> Done;
+- a user error (exit 2) -> Stop: it would fail the same way again, so it is never restarted;
+- anything else (75 "restart me", another code, a signal) -> Restart while restarts are left, else
+  GiveUp with the failure's exit code;
+- blame (`blame`): the first process to exit non-zero is the failure. A crash counts against the
+  slot it ran in. Exit 75 is a decision the process took (preempted, rollback budget spent, a hang),
+  not evidence against its node, so it blames nobody, unless the attempt's own events blame exactly
+  one process (`blamed_process`: a `hang` event's `behind`, a `preflight_failed` event's `named`;
+  events older than the attempt are ignored), whose slot it then counts against;
+- the streak (`History.streak`): how many failed attempts in a row blamed the same slot. An attempt
+  that blames nobody, or another slot, breaks it. When it reaches `Limits.isolate_after` the
+  decision is Isolate that slot: continue without it (the caller plans the smaller job, see
+  `elastic.plan_shrink`, and applies `Isolate.fallback` when there is none).
+
+A slot is where a process runs: a `jaxtrain launch` slot number (kept when another slot is
+isolated), or a node name under SLURM. Used by the Supervisor (`supervisor.py`) and by
+`jaxtrain recovery decide` (`recovery_cli.py`), which train.sbatch calls, so no shell script
+re-implements any of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Mapping, Sequence, Union
+
+from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE
+
+Slot = Union[int, str]  # a `jaxtrain launch` slot number, or a node name (SLURM)
+
+
+# ----------------------------------------------------------------------------- what happened
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """How one process of an attempt ended.
+
+    Attributes:
+      process: its index in the attempt (JAXTRAIN_PROCESS_ID, SLURM_PROCID).
+      code: its exit code; negative: killed by that signal (subprocess.Popen's convention).
+    """
+
+    process: int
+    code: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One attempt of the job, as the launcher saw it end.
+
+    Attributes:
+      exits: the processes that had exited when the job was stopped, in the order they exited
+        (the first is the cause: a crash makes its peers fail too, in a broken collective).
+      slots: the slot of process i at index i; None (or past the end): not known.
+      events: the run's events logged during this attempt, oldest first (events.jsonl lines).
+      started: UNIX time the attempt started; events logged before it blame nobody (0: no filter).
+      code: the job's exit code when a scheduler reports one for the whole job (srun's): it alone
+        says done (0) or user error (2). None: judged from `exits`.
+    """
+
+    exits: tuple[Exit, ...]
+    slots: tuple[Slot | None, ...] = ()
+    events: tuple[Mapping, ...] = ()
+    started: float = 0.0
+    code: int | None = None
+
+    def slot_of(self, process: int | None) -> Slot | None:
+        """The slot process `process` ran in (None: unknown)."""
+        if not isinstance(process, int) or not 0 <= process < len(self.slots):
+            return None
+        return self.slots[process]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Who failed first in an attempt, and whom that counts against.
+
+    Attributes:
+      process: the first process to exit non-zero (None: none is known, e.g. no exit was recorded).
+      code: its exit code (negative: a signal; None: unknown).
+      slot: the slot it ran in (None: unknown).
+      blamed: after an exit 75, the process the attempt's events blame (None: none, or not a 75).
+      suspect: the slot the failure counts against: the first failure's own for a crash, the blamed
+        process's for an exit 75; None: nobody is to blame (the streak breaks).
+    """
+
+    process: int | None
+    code: int | None
+    slot: Slot | None
+    blamed: int | None
+    suspect: Slot | None
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """The slots that failed attempts counted against, oldest first (None: that attempt blamed nobody).
+
+    Under `jaxtrain launch` it lives in the Supervisor; under SLURM in the job's state folder
+    (`failed_nodes`, one line per failed attempt, `-` for nobody), so it survives a requeue.
+    """
+
+    suspects: tuple[Slot | None, ...] = ()
+
+    def after(self, suspect: Slot | None) -> History:
+        """The history once one more failed attempt counted against `suspect`."""
+        return History((*self.suspects, suspect))
+
+    @property
+    def streak(self) -> int:
+        """How many of the latest failed attempts in a row counted against the same slot (0: the
+        latest blamed nobody)."""
+        if not self.suspects or self.suspects[-1] is None:
+            return 0
+        last, count = self.suspects[-1], 0
+        for suspect in reversed(self.suspects):
+            if suspect != last:
+                break
+            count += 1
+        return count
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the launcher may still do.
+
+    Attributes:
+      restarts_left: restarts that may follow this attempt (0: this failure is the last).
+      isolate_after: K > 0: a slot that K failed attempts in a row counted against is isolated (0: never).
+      isolation_is_restart: True (`jaxtrain launch`): continuing without a slot is one of the
+        restarts (it needs one left), and when no smaller job exists the launcher gives up with the
+        failure. False (train.sbatch): leaving a node out costs no step restart or requeue, and when
+        it cannot be done the failure is handled as any other (restart while restarts are left).
+    """
+
+    restarts_left: int
+    isolate_after: int = 0
+    isolation_is_restart: bool = True
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """Every process exited 0: the job is over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """A user error (exit 2): stop, never restart.
+
+    Attributes:
+      process: the first process that exited 2 (None: only the scheduler's code said so).
+      code: the exit code to end with (2).
+    """
+
+    process: int | None
+    code: int = EXIT_USAGE
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """Restart the whole job with the same processes.
+
+    Attributes:
+      failure: the failure being recovered from.
+      history: the failure history including this attempt.
+    """
+
+    failure: Failure
+    history: History
+
+
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """End the job with the failure's exit code.
+
+    Attributes:
+      failure: the failure that ends it.
+      history: the failure history including this attempt.
+      code: the exit code to end with (a signal as 128 + its number).
+      reason: "no restarts left", or "no smaller job" (an isolation that could not be done).
+    """
+
+    failure: Failure
+    history: History
+    code: int
+    reason: Literal["no restarts left", "no smaller job"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolate:
+    """Continue without `slot`: the job restarts on the other slots, one process fewer.
+
+    Attributes:
+      slot: the slot to leave out (it was the suspect of `history.streak` attempts in a row).
+      failure: the failure of this attempt.
+      history: the failure history including this attempt (the isolated slot runs no process any
+        more, so it can never be blamed again: its streak ends by itself).
+      fallback: what to do instead when the slot cannot be left out (no smaller job trains the same
+        run, or the scheduler cannot exclude it).
+    """
+
+    slot: Slot
+    failure: Failure
+    history: History
+    fallback: Restart | GiveUp
+
+
+Decision = Union[Done, Stop, Restart, Isolate, GiveUp]
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def exit_status(code: int) -> int:
+    """A Popen return code as a process exit status: a signal becomes 128 + its number."""
+    return code if code >= 0 else 128 - code
+
+
+def first_failure(exits: Sequence[Exit]) -> Exit | None:
+    """The first process to exit non-zero (exits in the order they happened), or None."""
+    return next((e for e in exits if e.code != EXIT_OK), None)
+
+
+def blamed_process(events: Sequence[Mapping], since: float = 0.0) -> int | None:
+    """The one process that the events blame for an exit 75, looking only at events logged at UNIX
+    time `since` or later (an event without a time counts as logged at 0).
+
+    The first event that blames anyone decides: a `hang` event names the processes furthest behind
+    (`behind`), a failed preflight the slow ones (`named`); exactly one is evidence against its
+    node. None when no event blames, or the deciding one blames several.
+    """
+    for event in events:
+        if event.get("time", 0.0) < since:
+            continue
+        kind = event.get("kind")
+        blamed = event.get("behind") if kind == "hang" else event.get("named") if kind == "preflight_failed" else None
+        if blamed is not None:
+            return blamed[0] if len(blamed) == 1 else None
+    return None
+
+
+def blame(attempt: Attempt) -> Failure:
+    """Who failed first in `attempt`, and which slot (if any) the failure counts against."""
+    first = first_failure(attempt.exits)
+    if first is None:
+        return Failure(process=None, code=None, slot=None, blamed=None, suspect=None)
+    slot = attempt.slot_of(first.process)
+    if first.code != EXIT_RESTART:
+        return Failure(process=first.process, code=first.code, slot=slot, blamed=None, suspect=slot)
+    # A decision, not a crash: blame only whom the attempt's own events name.
+    blamed = blamed_process(attempt.events, attempt.started)
+    return Failure(process=first.process, code=first.code, slot=slot, blamed=blamed, suspect=attempt.slot_of(blamed))
+
+
+def decide(attempt: Attempt, history: History, limits: Limits) -> Decision:
+    """What to do after `attempt` ended (see the module docstring for the rules).
+
+    Args:
+      attempt: how it ended.
+      history: the failure history before it.
+      limits: restarts left and the isolation setting.
+    Returns:
+      Done, Stop, Restart, Isolate (with its fallback) or GiveUp; the last three carry the new history.
+    """
+    if attempt.code is not None:  # the scheduler's word on the whole job
+        if attempt.code == EXIT_OK:
+            return Done()
+        if attempt.code == EXIT_USAGE:
+            user = next((e for e in attempt.exits if e.code == EXIT_USAGE), None)
+            return Stop(process=user.process if user else None)
+    else:
+        # A user error anywhere wins: restarting would only fail the same way again.
+        user = next((e for e in attempt.exits if e.code == EXIT_USAGE), None)
+        if user is not None:
+            return Stop(process=user.process)
+        if first_failure(attempt.exits) is None:
+            return Done()
+    failure = blame(attempt)
+    history = history.after(failure.suspect)
+    code = exit_status(attempt.code if attempt.code is not None else failure.code)
+    give_up = GiveUp(failure, history, code, "no restarts left")
+    carry_on: Restart | GiveUp = Restart(failure, history) if limits.restarts_left > 0 else give_up
+    if limits.isolation_is_restart and limits.restarts_left <= 0:
+        return give_up
+    if limits.isolate_after and failure.suspect is not None and history.streak >= limits.isolate_after:
+        fallback = GiveUp(failure, history, code, "no smaller job") if limits.isolation_is_restart else carry_on
+        return Isolate(failure.suspect, failure, history, fallback)
+    return carry_on
+
+
+def exit_after_signal(codes: Sequence[int | None], signum: int) -> int:
+    """The launcher's exit code once it was told to stop (SIGTERM/SIGINT, forwarded to the processes).
+
+    Args:
+      codes: the processes' exit codes (Popen's: negative for a signal).
+      signum: the signal the launcher got.
+    Returns:
+      0 when every process exited 0; 75 when one asked to be restarted (e.g. preempted after an
+      emergency save: the scheduler should requeue); else 128 + signum.
+    """
+    if codes and all(c == EXIT_OK for c in codes):
+        return EXIT_OK
+    if EXIT_RESTART in codes:
+        return EXIT_RESTART
+    return 128 + signum
+
+
+def slurm_restart(step_restarts_done: int, step_restarts: int, time_left_s: float, min_time_left_s: float,
+                  requeues_done: int, max_requeues: int) -> Literal["restart", "requeue"] | None:
+    """How train.sbatch restarts a failed step: inside the allocation, by a requeue, or not at all.
+
+    A step restart (same nodes, seconds) while `step_restarts` are not spent and at least
+    `min_time_left_s` is left in the allocation (not after the time-limit SIGTERM, for one); then a
+    requeue (a new allocation, through the queue) while `max_requeues` are not spent.
+
+    Returns:
+      "restart", "requeue", or None (nothing left).
+    """
+    if step_restarts_done < step_restarts and time_left_s >= min_time_left_s:
+        return "restart"
+    if requeues_done < max_requeues:
+        return "requeue"
+    return None
