@@ -96,6 +96,9 @@ class PipelineConfig:
 
     microbatches: int = 1  # microbatches each step's batch (each grad-accum microbatch) is cut into; >= mesh.stage
     repeats: int = 1  # layer groups per stage: 1 = GPipe, R > 1 = circular; bubble (S-1)/(R*M+S-1)
+    # Rematerialise every pipeline iteration (keeps only the stages' inputs for the backward pass).
+    # Turn off only to measure what it saves: activation memory then grows with R*M + S - 1.
+    remat_iterations: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +160,7 @@ class PrecisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StabilityConfig:
-    """Spike detection in the step, automatic rollback on the host (jaxtrain/train/stability.py)."""
+    """Spike detection in the step (jaxtrain/train/stability.py), automatic rollback on the host (rollback.py)."""
 
     guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
     window: int = 100  # steps the running loss/grad-norm statistics span, and the window for max_spikes

@@ -30,44 +30,30 @@ import jax
 import numpy as np
 from flax import nnx
 
-import kernels
-from jaxtrain import __version__
-from jaxtrain.parallel import pipeline
-from jaxtrain.fault.chaos import Chaos, restart_attempt
+from jaxtrain import __version__, env
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
+from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.checkpoint.storage import check_access
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
-from jaxtrain.train.evaluation import Evaluator, PendingEval
 from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART
-from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
-from jaxtrain.model.llama import Transformer
-from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.fault.chaos import Chaos
 from jaxtrain.fault.preemption import HostSync, StopSignals
-from jaxtrain.observe.runlog import RunLog
-from jaxtrain.parallel.sharding import check_attention_layout, global_batch
 from jaxtrain.fault.preflight import run_preflight
-from jaxtrain.observe.profiling import StepProfiler
-from jaxtrain.train.stability import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
-from jaxtrain.checkpoint.storage import check_access
 from jaxtrain.fault.stragglers import Stragglers, job_hosts
+from jaxtrain.fault.watchdog import Watchdog
+from jaxtrain.model.attention import resolve_attention
+from jaxtrain.model.llama import Transformer
+from jaxtrain.observe.profiling import StepProfiler
+from jaxtrain.observe.runlog import RunLog
+from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
+from jaxtrain.parallel.sharding import global_batch
+from jaxtrain.train.evaluation import Evaluator, PendingEval
+from jaxtrain.train.rollback import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
 from jaxtrain.train.state import State, build_layout
 from jaxtrain.train.step import BATCH_KEYS
-from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
-from jaxtrain.fault.watchdog import Watchdog
-
-
-def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int]) -> str:
-    """`model.attention` resolved for this platform and checked against the rules table.
-
-    Raises:
-      ConfigError: not available here, or a rules table under which the kernel would be wrong.
-    """
-    try:
-        implementation = kernels.resolve_implementation(cfg.model.attention, platform)
-    except ValueError as e:
-        raise ConfigError(f"model.attention={cfg.model.attention}: {e}") from None
-    check_attention_layout(cfg.mesh.rules, mesh_sizes, implementation)
-    return implementation
 
 
 def check_run_paths(cfg: Config) -> None:
@@ -117,7 +103,8 @@ class Trainer:
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         devices = list(devices) if devices is not None else jax.devices()
         # Phase-2 validation: needs the devices and processes, runs before anything is written.
-        self.mesh_sizes = validate_against_devices(cfg, len(devices), self.process_count)
+        self.mesh_sizes = validate_against_devices(cfg, len(devices), self.process_count,
+                                                   under_launcher=env.launcher_slot() is not None)
         self.attention = resolve_attention(cfg, devices[0].platform, self.mesh_sizes)
         if write_files:
             check_run_paths(cfg)
@@ -126,7 +113,8 @@ class Trainer:
         self.rules, self.graphdef, self.logical = cfg.mesh.rules, self.layout.graphdef, self.layout.logical
         self.num_params = self.layout.num_params
         self.evaluator = Evaluator(cfg, self.layout, self.process_index, self.process_count)
-        self.chaos = Chaos(cfg, self.process_index, self._event)
+        self.chaos = Chaos(cfg, self.process_index, self._event, attempt=env.restart_attempt(),
+                           slot=env.launcher_slot())
         self._queued_events: list[tuple[str, int, dict]] = []  # events raised before the log exists
         self.log: RunLog | None = None
 
@@ -141,7 +129,7 @@ class Trainer:
         self.output_dir = cfg.run.output_dir
         self.watchdog = Watchdog(cfg.fault if write_files else dataclasses.replace(cfg.fault, hang_timeout_s=0),
                                  output_dir=self.output_dir, process_index=self.process_index,
-                                 process_count=self.process_count, attempt=restart_attempt())
+                                 process_count=self.process_count, attempt=env.restart_attempt())
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
         self.guard = SpikeGuard(cfg, self._event)
@@ -416,7 +404,7 @@ class Trainer:
             self.data.skip_batches(n)
 
     def _roll_back(self, request: RollbackRequest) -> bool:
-        """Restore the last committed checkpoint before the first spike (stability.Rollbacks decides
+        """Restore the last committed checkpoint before the first spike (rollback.Rollbacks decides
         which and discards the newer ones). False when stability.max_rollbacks is spent (exit 75)."""
         try:
             plan = self.rollbacks.plan(request)

@@ -4,7 +4,8 @@ Shape suffixes: B batch, L length, D d_model, N q-heads, K kv-heads, H head_dim,
 
 Every parameter carries logical axis names (`out_sharding` metadata); `jaxtrain.parallel.sharding` maps
 them to mesh axes through the config's rules table. Activations are constrained by logical name
-with `sharding.constrain`. Layers are created stacked (leading `layers` axis) and run with
+through the `Partitioning` each call receives (mesh, rules, pipeline schedule; the default places
+nothing), never through ambient state. Layers are created stacked (leading `layers` axis) and run with
 `lax.scan`, so compile time does not grow with depth; `scan_layers=False` unrolls the same
 stacked parameters (used to test that both agree).
 """
@@ -17,11 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import kernels
-from jaxtrain.parallel import pipeline
 from jaxtrain.config import ModelConfig
-from jaxtrain.parallel.sharding import KERNEL_WHOLE_AXES, constrain, per_shard
-from kernels import flash_attention
+from jaxtrain.model.attention import attend
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.sharding import Partitioning
 
 # Parameters get logical names as metadata only; shardings are decided by jaxtrain.parallel.sharding.
 nnx.use_eager_sharding(False)
@@ -82,28 +82,17 @@ class Attention(nnx.Module):
         self.llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                         cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
         q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype))
         k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype))
         v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype))
-        q_BLNH = constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3), ("batch", "length", "heads", "head_dim"))
-        k_BLKH = constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3), ("batch", "length", "kv_heads", "head_dim"))
-        v_BLKH = constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
-        o_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+        q_BLNH = part.constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3),
+                                ("batch", "length", "heads", "head_dim"))
+        k_BLKH = part.constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3),
+                                ("batch", "length", "kv_heads", "head_dim"))
+        v_BLKH = part.constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
+        o_BLNH = attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, self.implementation, part)
         return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
-
-    @jax.named_scope("attention")  # `jaxtrain profile-summary` counts the ops under this scope as attention
-    def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
-        implementation = kernels.resolve_implementation(self.implementation)  # 'auto' -> this platform's best
-        attend = lambda q, k, v, seg: flash_attention(q, k, v, causal=True, segment_ids=seg,
-                                                      implementation=implementation)
-        if implementation == "xla":
-            return attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)  # plain jnp: XLA partitions it
-        # Kernels are opaque to XLA's partitioner: run them per shard (batch and heads are independent).
-        qkv = ("batch", "length", "heads", "head_dim")
-        kv = ("batch", "length", "kv_heads", "head_dim")
-        return per_shard(attend, (qkv, kv, kv, ("batch", "length")), qkv,
-                         whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
 
 
 class MLP(nnx.Module):
@@ -115,10 +104,10 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
 
-    def __call__(self, x_BLD, dtype):
+    def __call__(self, x_BLD, dtype, part: Partitioning):
         gate_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dtype))
         up_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dtype))
-        h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
+        h_BLF = part.constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
         return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dtype))
 
 
@@ -129,10 +118,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype)
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype)
-        return constrain(x_BLD, ("batch", "length", "act_embed"))
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype, part)
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype, part)
+        return part.constrain(x_BLD, ("batch", "length", "act_embed"))
 
 
 _REMAT_POLICIES = {
@@ -142,7 +131,11 @@ _REMAT_POLICIES = {
 
 
 class Transformer(nnx.Module):
-    """Decoder-only language model. `model(tokens_BL, positions_BL, segment_ids_BL) -> logits_BLV` (fp32)."""
+    """Decoder-only language model. `model(tokens_BL, positions_BL, segment_ids_BL) -> logits_BLV` (fp32).
+
+    Every call takes an optional `part` (`Partitioning`: mesh, rules, pipeline schedule); without
+    it nothing is constrained and the layers run as one plain scan.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         self.cfg, self.dtype = cfg, dtype
@@ -164,17 +157,17 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
 
-    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
-        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, part: Partitioning = Partitioning()):
+        x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL, part)
         head_DV = self.head_weight().astype(self.dtype)
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "length", "vocab"))
+        return part.constrain(logits_BLV, ("batch", "length", "vocab"))
 
     def head_weight(self) -> jax.Array:
         """The output projection [D, V] in fp32: the head, or the transposed embedding when tied."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
-    def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+    def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None, part: Partitioning = Partitioning()):
         """The final hidden states [B, L, D] (after the last norm), in the compute dtype.
 
         `__call__` projects them to logits; the training loss (`jaxtrain.model.loss.fused_loss`) takes
@@ -185,16 +178,16 @@ class Transformer(nnx.Module):
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
         # Gather the table over fsdp first (as FSDP does for every weight); the lookup then runs
         # on vocab shards (masked gather + reduce) instead of resharding the whole table.
-        table_VD = constrain(self.embed[...], ("vocab", None))
+        table_VD = part.constrain(self.embed[...], ("vocab", None))
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
-        x_BLD = constrain(x_BLD, ("batch", "length", "act_embed"))
+        x_BLD = part.constrain(x_BLD, ("batch", "length", "act_embed"))
 
         graphdef, layers = nnx.split(self.blocks)
 
-        def stack(x_BLD, positions_BL, segment_ids_BL, layers):
+        def stack(x_BLD, positions_BL, segment_ids_BL, layers, part):
             """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's."""
             def layer(x_BLD, one_layer):
-                return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype), None
+                return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype, part), None
 
             if cfg.remat != "none":
                 layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
@@ -204,12 +197,11 @@ class Transformer(nnx.Module):
                 x_BLD, _ = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], layers))
             return x_BLD
 
-        schedule = pipeline.active_schedule()  # set by the train step when mesh.stage > 1
-        if schedule is None:
-            x_BLD = stack(x_BLD, positions_BL, segment_ids_BL, layers)
-        else:
+        if part.schedule is None:
+            x_BLD = stack(x_BLD, positions_BL, segment_ids_BL, layers, part)
+        else:  # mesh.stage > 1: the layers run as pipeline stages
             x_BLD = pipeline.run(stack, nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
-                                 segment_ids_BL, schedule)
+                                 segment_ids_BL, part)
 
         return self.final_norm(x_BLD)
 

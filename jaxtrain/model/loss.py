@@ -2,7 +2,7 @@
 
 Shape suffixes: B batch, L length, C chunk length, D d_model, V vocab, G batch shards.
 
-The plain loss (`jaxtrain.train.step.token_losses` on the model's logits) materialises the fp32 logits
+The plain loss (cross-entropy on the model's logits, `token_losses` in tests/model/test_loss.py) materialises the fp32 logits
 [B, L, V] and, in the backward pass, their gradient of the same size. At cpu-tiny's shape that is
 2 x 262 MB per step, streamed through memory by a dozen elementwise passes, and the head is ~65%
 of the model FLOPs. `fused_loss` never holds more than one chunk of the sequence's logits:
@@ -33,12 +33,10 @@ equal the plain loss's to ~1e-6 relative, masked tokens included.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.parallel.sharding import active_rules, constrain, logical_to_spec
+from jaxtrain.parallel.sharding import Partitioning
 
 # Bytes of fp32 logits per device that one chunk may hold. On the CPU a chunk should stay near the
 # last-level cache (32 MiB on the bench machine; on cpu-tiny 8 MiB chunks were slower, 16/32/64 MiB
@@ -48,41 +46,21 @@ CHUNK_BYTES = {"cpu": 16 * 2**20}
 DEFAULT_CHUNK_BYTES = 1 * 2**30
 
 
-def batch_shards() -> int:
-    """How many ways the active rules split the batch axis (1 outside `use_rules`)."""
-    active = active_rules()
-    if active is None:
-        return 1
-    mesh, rules = active
-    entry = logical_to_spec(("batch",), rules)[0]
-    axes = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def vocab_shards() -> int:
-    """How many ways the active rules split the vocab axis (1 outside `use_rules`)."""
-    active = active_rules()
-    if active is None:
-        return 1
-    mesh, rules = active
-    entry = logical_to_spec(("vocab",), rules)[0]
-    axes = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def chunk_length(B: int, L: int, V: int, chunk_bytes: int | None = None) -> int:
-    """Positions per chunk: the largest divisor of L whose fp32 logits per device fit `chunk_bytes`."""
+def chunk_length(B: int, L: int, V: int, chunk_bytes: int | None = None,
+                 part: Partitioning = Partitioning()) -> int:
+    """Positions per chunk: the largest divisor of L whose fp32 logits per device fit `chunk_bytes`
+    (with the batch and vocab split as `part` splits them)."""
     if chunk_bytes is None:
         chunk_bytes = CHUNK_BYTES.get(jax.default_backend(), DEFAULT_CHUNK_BYTES)
-    rows_per_position = max(B // batch_shards(), 1) * max(V // vocab_shards(), 1) * 4
+    rows_per_position = max(B // part.ways("batch"), 1) * max(V // part.ways("vocab"), 1) * 4
     fitting = [c for c in range(1, L + 1) if L % c == 0 and c * rows_per_position <= chunk_bytes]
     return max(fitting, default=1)
 
 
-def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool):
+def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool, part: Partitioning):
     """Loss sums of one chunk, and (with_grads) d(objective)/d(x chunk) and the chunk's dW per batch shard."""
     logits = jnp.einsum("gbcd,dv->gbcv", x_GBCD, head_DV, preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("batch", None, "length", "vocab"))
+    logits = part.constrain(logits, ("batch", None, "length", "vocab"))
     peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     exp = jnp.exp(logits - peak)
     total = jnp.sum(exp, axis=-1, keepdims=True)
@@ -116,10 +94,12 @@ def _unsplit(a):
     return jnp.moveaxis(a, 0, 2).reshape(G * b, n * C, *a.shape[4:])
 
 
-def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: int, with_grads: bool):
+def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: int, with_grads: bool,
+                    part: Partitioning):
     B, L, D = x_BLD.shape
     V = head_DV.shape[1]
-    G = batch_shards()
+    G = part.ways("batch")
+    constrain = part.constrain
     if B % G:
         G = 1  # a batch that does not split evenly (eval on odd shapes): one partial sum
     # Gather the head over fsdp once, before the loop, not once per chunk.
@@ -128,14 +108,14 @@ def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: i
 
     if not with_grads:
         def body(carry, c):
-            ce, z = _chunk_sums(*c[:1], head, *c[1:], z_loss, with_grads=False)
+            ce, z = _chunk_sums(*c[:1], head, *c[1:], z_loss, with_grads=False, part=part)
             return (carry[0] + ce, carry[1] + z), None
         (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), xs)
         return ce, z
 
     def body(carry, c):
         ce_acc, z_acc, dW_acc = carry
-        ce, z, dx, dW = _chunk_sums(c[0], head, c[1], c[2], z_loss, with_grads=True)
+        ce, z, dx, dW = _chunk_sums(c[0], head, c[1], c[2], z_loss, with_grads=True, part=part)
         dW = constrain(dW_acc + dW, ("batch", None, "vocab"))  # per batch shard: no reduction in the loop
         return (ce_acc + ce, z_acc + z, dW), dx
 
@@ -146,7 +126,8 @@ def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: i
 
 
 def fused_loss(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array, mask_BL: jax.Array,
-               z_loss: float = 0.0, chunk: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+               z_loss: float = 0.0, chunk: int | None = None,
+               part: Partitioning = Partitioning()) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(objective, cross-entropy sum, z-loss sum) of the output head over the counted tokens.
 
     objective = sum(mask * ce) + z_loss * sum(mask * lse^2), lse = logsumexp of the logits. Only
@@ -159,23 +140,24 @@ def fused_loss(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array, mask
       targets_BL: int target ids; mask_BL: 1 for counted tokens, 0 for the rest (any float/int/bool).
       z_loss: weight of the z-loss term (static).
       chunk: positions per chunk (a divisor of L); default `chunk_length` for this platform.
+      part: the mesh and rules the loss runs under (batch shards, vocab shards); none by default.
     Returns:
       (objective, ce_sum, z_sum), fp32 scalars.
     """
     B, L, _ = x_BLD.shape
     if chunk is None:
-        chunk = chunk_length(B, L, head_DV.shape[1])
+        chunk = chunk_length(B, L, head_DV.shape[1], part=part)
     if L % chunk:
         raise ValueError(f"chunk={chunk} does not divide the sequence length {L}")
     z_loss = float(z_loss)
 
     @jax.custom_vjp
     def objective(x, head, targets, mask):
-        ce, z = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=False)
+        ce, z = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=False, part=part)
         return ce + z_loss * z, (ce, z)
 
     def forward(x, head, targets, mask):
-        ce, z, dx, dW = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=True)
+        ce, z, dx, dW = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=True, part=part)
         return (ce + z_loss * z, (ce, z)), (dx, dW)
 
     def backward(grads, cotangents):

@@ -16,9 +16,10 @@ from collections import defaultdict
 
 import jax
 
-from jaxtrain.parallel import pipeline
 from jaxtrain.config import Config
-from jaxtrain.observe.profiling import COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size, shape_bytes, wire_bytes
+from jaxtrain.observe.profiling import (COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size,
+                                        shape_bytes, wire_bytes)
+from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.sharding import logical_to_spec
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
@@ -188,10 +189,10 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     Raises:
       ConfigError: the same phase-2 errors as `jaxtrain train` (mesh, divisibility, attention).
     """
+    from jaxtrain.model.attention import resolve_attention
+    from jaxtrain.observe.throughput import flops_per_step
     from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
     from jaxtrain.train.state import build_layout
-    from jaxtrain.observe.throughput import flops_per_step
-    from jaxtrain.trainer import resolve_attention
 
     devices = list(devices) if devices is not None else jax.devices()
     sizes = validate_against_devices(cfg, len(devices), jax.process_count())

@@ -45,25 +45,20 @@ add up per copy inside the loop and are summed over `data` once, after it.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config
-from jaxtrain.parallel.sharding import Rules, active_rules, constrain, logical_to_spec, use_rules
+from jaxtrain.parallel.sharding import Partitioning, Rules, _targets, logical_to_spec
 
-# stack(x_BLD, positions_BL, segment_ids_BL, layers) runs `layers` (stacked on a leading axis) in order.
-StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any], jax.Array]
-
-# Rematerialise every scan iteration (module docstring). Always on in training; a module constant
-# rather than a setting so that tests/test_pipeline.py can measure the memory it saves.
-REMAT_ITERATIONS = True
+# stack(x_BLD, positions_BL, segment_ids_BL, layers, part) runs `layers` (stacked on a leading
+# axis) in order, constrained by `part` (the partitioning inside one stage).
+StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any, Partitioning], jax.Array]
 
 _X = ("layers", "batch", "length", "act_embed")  # a per-stage activation [S, B, L, D]
 _IDS = ("layers", "batch", "length")  # per-stage positions / segment ids [S, B, L]
@@ -76,6 +71,7 @@ class Schedule:
     stages: int  # S: size of the mesh axes that `layers` maps to
     microbatches: int  # M: microbatches per model call
     repeats: int  # R: layer groups per stage (1 = GPipe, > 1 = circular)
+    remat_iterations: bool = True  # rematerialise every scan iteration (`pipeline.remat_iterations`)
 
     @property
     def name(self) -> str:
@@ -90,10 +86,6 @@ class Schedule:
     def bubble(self) -> float:
         """Theoretical idle fraction of every stage: (S − 1) / (R·M + S − 1)."""
         return (self.stages - 1) / self.iterations
-
-
-def _targets(target: Any) -> list[str]:
-    return [a for a in (target if isinstance(target, list) else [target]) if a is not None]
 
 
 def stage_axes(rules: Rules) -> tuple[str, ...]:
@@ -112,7 +104,8 @@ def schedule_for(cfg: Config, mesh_sizes: Mapping[str, int]) -> Schedule | None:
     stages = math.prod(mesh_sizes[a] for a in stage_axes(cfg.mesh.rules))
     if stages == 1:
         return None
-    return Schedule(stages=stages, microbatches=cfg.pipeline.microbatches, repeats=cfg.pipeline.repeats)
+    return Schedule(stages=stages, microbatches=cfg.pipeline.microbatches, repeats=cfg.pipeline.repeats,
+                    remat_iterations=cfg.pipeline.remat_iterations)
 
 
 def describe(cfg: Config, mesh_sizes: Mapping[str, int]) -> dict:
@@ -129,36 +122,6 @@ def describe(cfg: Config, mesh_sizes: Mapping[str, int]) -> dict:
     return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "repeats": s.repeats,
             "layers_per_stage": cfg.model.num_layers // s.stages, "iterations": s.iterations,
             "bubble": round(s.bubble, 4)}
-
-
-_ACTIVE: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("jaxtrain_pipeline", default=None)
-
-
-@contextlib.contextmanager
-def use_schedule(schedule: Schedule | None) -> Iterator[None]:
-    """Make the model run its layers through `schedule` while tracing (the train step sets this)."""
-    token = _ACTIVE.set(schedule)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active_schedule() -> Schedule | None:
-    """The schedule `use_schedule` activated, or None (then the model scans its layers plainly)."""
-    return _ACTIVE.get()
-
-
-def _inside(taken: tuple[str, ...]) -> contextlib.AbstractContextManager:
-    """Rules for code inside one stage (or one replica of it): the `taken` mesh axes belong to the
-    vmapped dimensions, so no logical name may use them there (the batch, for one)."""
-    active = active_rules()
-    if active is None:
-        return contextlib.nullcontext()
-    mesh, rules = active
-    inner = {name: ([a for a in _targets(t) if a not in taken] or None) for name, t in rules.items()}
-    inner["layers"] = None
-    return use_rules(mesh, inner)
 
 
 def _replica_axes(rules: Rules, taken: tuple[str, ...], layer_names: Any) -> tuple[str, ...]:
@@ -184,7 +147,7 @@ def _replica_axes(rules: Rules, taken: tuple[str, ...], layer_names: Any) -> tup
 
 
 def _place(w: jax.Array, names: tuple[str | None, ...], S: int, R: int, replicas: tuple[str, ...],
-           copies: int) -> jax.Array:
+           copies: int, part: Partitioning) -> jax.Array:
     """[L, ...] in execution order -> [S, (copies,) R, L/(S·R), ...], where [s, r] is layer group r·S + s.
 
     For R = 1 this is a local reshape of the stage-sharded layers axis; for R > 1 it is the
@@ -193,17 +156,16 @@ def _place(w: jax.Array, names: tuple[str | None, ...], S: int, R: int, replicas
     """
     L = w.shape[0]
     w = w.reshape(R, S, L // (S * R), *w.shape[1:]).swapaxes(0, 1)
-    w = constrain(w, ("layers", None, None, *names[1:]))
+    w = part.constrain(w, ("layers", None, None, *names[1:]))
     if copies == 1:
         return w
-    mesh, rules = active_rules()
-    spec = logical_to_spec(("layers", None, None, None, *names[1:]), rules)
+    spec = part.spec(("layers", None, None, None, *names[1:]))
     w = jnp.broadcast_to(w[:, None], (S, copies, *w.shape[1:]))
-    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(spec[0], replicas, *spec[2:])))
+    return jax.lax.with_sharding_constraint(w, NamedSharding(part.mesh, P(spec[0], replicas, *spec[2:])))
 
 
 def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positions_BL: jax.Array,
-        segment_ids_BL: jax.Array | None, schedule: Schedule) -> jax.Array:
+        segment_ids_BL: jax.Array | None, part: Partitioning) -> jax.Array:
     """Run the stacked layers as pipeline stages; the same result as `stack(x, ..., layers)`.
 
     Args:
@@ -211,28 +173,31 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
       layers: tree of stacked weights, each [L, ...] in execution order.
       layer_names: the same tree with each weight's logical axis names (first one 'layers').
       x_BLD: the embedded batch. positions_BL, segment_ids_BL: they travel with their rows.
-      schedule: S, M, R (checked by config validation: L % (S·R) == 0, M >= S, B % M == 0).
+      part: the mesh and rules, and `part.schedule`: S, M, R (checked by config validation:
+        L % (S·R) == 0, M >= S, B % M == 0).
     Returns:
       x_BLD after all layers.
     """
+    schedule = part.schedule
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
     B = x_BLD.shape[0]
-    active = active_rules()
-    spmd_axes = stage_axes(active[1]) if active is not None else ()
-    replicas = _replica_axes(active[1], spmd_axes, layer_names) if active is not None else ()
-    copies = math.prod(active[0].shape[a] for a in replicas) if replicas else 1
-    weights = jax.tree_util.tree_map(lambda w, n: _place(w, n, S, R, replicas, copies), layers, layer_names)
+    placed = part.mesh is not None
+    spmd_axes = stage_axes(part.rules) if placed else ()
+    replicas = _replica_axes(part.rules, spmd_axes, layer_names) if placed else ()
+    copies = math.prod(part.mesh.shape[a] for a in replicas) if replicas else 1
+    weights = jax.tree_util.tree_map(lambda w, n: _place(w, n, S, R, replicas, copies, part), layers, layer_names)
+    constrain = part.constrain
+    in_stage = part.without(spmd_axes)  # inside one stage: the batch axes left besides the stage axes
 
-    def split(a, names):
+    def split(a, names, inner):
         """[B, ...] -> [M, B/M, ...], microbatch m taking rows m, m+M, ... (as step.split_microbatches).
         Gathered over the stage axes first (any stage device may feed stage 0), so the reshape
         itself moves nothing."""
-        a = constrain(a, names)
-        return constrain(a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1), (None, *names))
+        a = inner.constrain(a, names)
+        return inner.constrain(a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1), (None, *names))
 
-    with _inside(spmd_axes):
-        x_MBLD = split(x_BLD, ("batch", "length", "act_embed"))
-        ids_MBL = jax.tree_util.tree_map(lambda a: split(a, ("batch", "length")), (positions_BL, segment_ids_BL))
+    x_MBLD = split(x_BLD, ("batch", "length", "act_embed"), in_stage)
+    ids_MBL = jax.tree_util.tree_map(lambda a: split(a, ("batch", "length"), in_stage), (positions_BL, segment_ids_BL))
     # Stage 0's slot of `loop` holds every microbatch's input for its next round (its own rows
     # at first, then what left the last stage). The other slots are never read: the buffer has a
     # stage dimension only so that writing to it stays on stage 0's devices.
@@ -240,9 +205,10 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
                            ("layers", None, "batch", "length", "act_embed"))
     stage_S = jnp.arange(S)
 
+    in_replica = part.without(spmd_axes + replicas)
+
     def one_replica(x_BLD, pos_BL, seg_BL, w):
-        with _inside(spmd_axes + replicas):
-            return stack(x_BLD, pos_BL, seg_BL, w)
+        return stack(x_BLD, pos_BL, seg_BL, w, in_replica)
 
     def one_stage(x_BLD, pos_BL, seg_BL, w, repeat):
         repeat_axis = 0 if copies == 1 else 1  # w: [(copies,) R, L/(S·R), ...] on this stage
@@ -255,7 +221,7 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
         return y.reshape(x_BLD.shape)
 
     all_stages = jax.vmap(one_stage, spmd_axis_name=spmd_axes or None)
-    if REMAT_ITERATIONS:
+    if schedule.remat_iterations:
         # Remat per iteration: the backward pass keeps each iteration's stage inputs, not the layers' insides.
         all_stages = jax.checkpoint(all_stages, prevent_cse=False)
 
@@ -290,7 +256,7 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     # Every stage starts on microbatch 0, so even the bubble's (discarded) work sees real, finite rows.
     init = per_stage(feed(loop_SMBLD, jnp.int32(0)))
     (_, loop_SMBLD), _ = jax.lax.scan(iteration, (init, loop_SMBLD), jnp.arange(schedule.iterations))
-    with _inside(spmd_axes):  # the inverse of `split`: reshape where it is local, then shard over stage again
-        y_MBLD = constrain(loop_SMBLD[0], (None, "batch", "length", "act_embed"))
-        y_BLD = constrain(y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape), ("batch", "length", "act_embed"))
+    # The inverse of `split`: reshape where it is local, then shard over stage again.
+    y_MBLD = in_stage.constrain(loop_SMBLD[0], (None, "batch", "length", "act_embed"))
+    y_BLD = in_stage.constrain(y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape), ("batch", "length", "act_embed"))
     return constrain(y_BLD, ("batch", "length", "act_embed"))

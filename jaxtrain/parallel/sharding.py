@@ -3,15 +3,15 @@
 Model code names logical axes (`embed`, `mlp`, `heads`, `kv_heads`, `vocab`, `layers`, `batch`,
 `length`, ...) and never mesh axes. Everything here turns those names into `PartitionSpec`s:
 parameters (with a divisibility check per parameter, never a silent fallback to replication),
-activations (`constrain`, a no-op outside `use_rules`) and input batches (`global_batch`).
+activations (`Partitioning.constrain`, which the model and the loss receive as an argument) and
+input batches (`global_batch`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -20,9 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain.config import ConfigError
 
 Rules = dict[str, Any]  # logical name -> mesh axis | [mesh axes] | None
-
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxtrain_rules", default=None)
-
 
 def logical_to_spec(names: tuple[str | None, ...], rules: Rules) -> P:
     """PartitionSpec for a tensor whose dimensions carry these logical names."""
@@ -66,66 +63,82 @@ def param_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree_util.tree_map_with_path(one, logical, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-@contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """Activate `constrain` while tracing a function (the train step sets this)."""
-    token = _ACTIVE.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """Where a traced function's tensors live: the mesh, the rules table, the pipeline schedule.
 
-
-def active_rules() -> tuple[Mesh, Rules] | None:
-    """The (mesh, rules) that `use_rules` activated, or None outside it (the pipeline reads it)."""
-    return _ACTIVE.get()
-
-
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Sharding constraint on an activation by logical names; no-op when no rules are active."""
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
-
-
-def per_shard(fn: Callable, in_names: tuple, out_names: tuple[str | None, ...],
-              whole: tuple[str, ...] = ()) -> Callable:
-    """Run `fn` on each device's shard (shard_map), with specs from logical names.
-
-    For kernels XLA cannot partition (a `pallas_call` or a Triton custom call): every logical
-    dimension they see must be one they treat independently (batch, heads). Dimensions named in
-    `whole` (for attention: length, head_dim) must not be split, or each shard would silently
-    compute something else (attention within its chunk of the sequence only): that raises
-    ConfigError. A no-op outside `use_rules` or on a single device. `in_names` holds one tuple
-    per argument (None for an argument that is None).
+    The model, the loss and the pipeline receive one as an argument; nothing is read from ambient
+    state, so the same call traces the same program wherever it runs. The train and eval steps
+    build it once from the config (`jaxtrain.train.step`); the default, `Partitioning()`, places
+    nothing: constraints are no-ops and kernels see whole arrays (a single device, a notebook).
     """
-    active = _ACTIVE.get()
-    if active is None or active[0].size == 1:
-        return fn
-    mesh, rules = active
-    split = [n for n in whole if _axis_size(mesh, logical_to_spec((n,), rules)[0]) > 1]
-    if split:
-        raise ConfigError(f"mesh.rules shards {', '.join(split)} over mesh axes, but a fused kernel must see whole "
-                          f"{', '.join(split)} on each device; map them to null or use model.attention=xla")
 
-    def wrapped(*args):
-        present = [i for i, a in enumerate(args) if a is not None]
+    mesh: Mesh | None = None
+    rules: Rules = dataclasses.field(default_factory=dict)
+    schedule: Any = None  # jaxtrain.parallel.pipeline.Schedule when mesh.stage > 1, else None
 
-        def inner(*shards):
-            full = list(args)
-            for i, x in zip(present, shards):
-                full[i] = x
-            return fn(*full)
+    def spec(self, names: tuple[str | None, ...]) -> P:
+        """PartitionSpec for a tensor whose dimensions carry these logical names."""
+        return logical_to_spec(names, self.rules)
 
-        in_specs = tuple(logical_to_spec(in_names[i], rules) for i in present)
-        # check_vma=False: under the pipeline's vmaps (spmd_axis_name stage, data) JAX 0.10 and 0.12
-        # type the transposed body's cotangents with the vmapped axes that its primal types lack,
-        # and refuse the gradient. The body is a kernel without collectives: the check guards nothing.
-        return jax.shard_map(inner, mesh=mesh, in_specs=in_specs, check_vma=False,
-                             out_specs=logical_to_spec(out_names, rules))(*[args[i] for i in present])
-    return wrapped
+    def ways(self, name: str) -> int:
+        """How many ways the rules split the logical axis `name` (1 without a mesh)."""
+        return 1 if self.mesh is None else _axis_size(self.mesh, self.spec((name,))[0])
+
+    def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+        """Sharding constraint on an activation by logical names; a no-op without a mesh."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(names)))
+
+    def without(self, taken: tuple[str, ...]) -> "Partitioning":
+        """The partitioning for code inside vmapped dimensions that own the `taken` mesh axes (one
+        pipeline stage, or one replica of it): no logical name may use those axes there, `layers`
+        maps to nothing, and no schedule applies (the stage runs its layers plainly)."""
+        inner = {name: ([a for a in _targets(t) if a not in taken] or None) for name, t in self.rules.items()}
+        inner["layers"] = None
+        return Partitioning(self.mesh, inner, None)
+
+    def per_shard(self, fn: Callable, in_names: tuple, out_names: tuple[str | None, ...],
+                  whole: tuple[str, ...] = ()) -> Callable:
+        """Run `fn` on each device's shard (shard_map), with specs from logical names.
+
+        For kernels XLA cannot partition (a `pallas_call` or a Triton custom call): every logical
+        dimension they see must be one they treat independently (batch, heads). Dimensions named in
+        `whole` (for attention: length, head_dim) must not be split, or each shard would silently
+        compute something else (attention within its chunk of the sequence only): that raises
+        ConfigError. `fn` itself without a mesh or on a single device. `in_names` holds one tuple
+        per argument (None for an argument that is None).
+        """
+        mesh = self.mesh
+        if mesh is None or mesh.size == 1:
+            return fn
+        split = [n for n in whole if self.ways(n) > 1]
+        if split:
+            raise ConfigError(f"mesh.rules shards {', '.join(split)} over mesh axes, but a fused kernel must see "
+                              f"whole {', '.join(split)} on each device; map them to null or use model.attention=xla")
+
+        def wrapped(*args):
+            present = [i for i, a in enumerate(args) if a is not None]
+
+            def inner(*shards):
+                full = list(args)
+                for i, x in zip(present, shards):
+                    full[i] = x
+                return fn(*full)
+
+            in_specs = tuple(self.spec(in_names[i]) for i in present)
+            # check_vma=False: under the pipeline's vmaps (spmd_axis_name stage, data) JAX 0.10 and 0.12
+            # type the transposed body's cotangents with the vmapped axes that its primal types lack,
+            # and refuse the gradient. The body is a kernel without collectives: the check guards nothing.
+            return jax.shard_map(inner, mesh=mesh, in_specs=in_specs, check_vma=False,
+                                 out_specs=self.spec(out_names))(*[args[i] for i in present])
+        return wrapped
+
+
+def _targets(target: Any) -> list[str]:
+    """The mesh axes of one rules-table entry (a name, a list of names, or None)."""
+    return [a for a in (target if isinstance(target, list) else [target]) if a is not None]
 
 
 # Attention kernels see [batch, length, heads, head_dim] blocks: batch and heads are independent,

@@ -11,12 +11,11 @@ from typing import Any
 
 import jax
 
-from jaxtrain.parallel import pipeline
 from jaxtrain.config import Config
 from jaxtrain.data import build_eval_data
 from jaxtrain.parallel.sharding import global_batch
 from jaxtrain.train.state import StateLayout
-from jaxtrain.train.step import BATCH_KEYS, make_eval_step
+from jaxtrain.train.step import BATCH_KEYS, make_eval_step, partitioning
 
 PendingEval = list[tuple[jax.Array, jax.Array]]  # (loss sum, token count) per batch, on device
 
@@ -28,8 +27,8 @@ class Evaluator:
         self.cfg, self.layout = cfg, layout
         self.process_index, self.process_count = process_index, process_count
         self.every = cfg.train.eval_every
-        stages = pipeline.schedule_for(cfg, dict(layout.mesh.shape))  # None unless mesh.stage > 1
-        self._step = jax.jit(make_eval_step(layout.graphdef, layout.mesh, layout.rules, stages),
+        part = partitioning(cfg, layout.mesh, layout.rules)
+        self._step = jax.jit(make_eval_step(layout.graphdef, part),
                              in_shardings=(layout.param_shardings, layout.batch_sharding),
                              out_shardings=(layout.replicated, layout.replicated))
 

@@ -1,19 +1,11 @@
-"""Loss-spike detection inside the step, and automatic rollback past the data that caused it.
+"""Automatic rollback past the data that caused loss spikes: the host side of `stability.py`.
 
-In the jitted step (`spike_check`, `update_statistics`): robust running statistics of the loss and
-the gradient norm (an exponential moving mean and variance over about `stability.window` steps)
-live in the train state (`state["stability"]`). A step whose loss or gradient norm lies more than
-`stability.spike_threshold` standard deviations above the mean is a spike; with
-`stability.skip_spikes` its update is not applied. Skipped and non-finite steps never enter the
-statistics, and each value that does enters clipped to mean +- threshold x std, so one NaN or one
-huge outlier cannot shift the mean or inflate the variance into hiding (or faking) the next spike.
-No spike is flagged before `stability.min_history` clean steps have been seen.
-
-On the host (`SpikeGuard`, called by the loop with every step's metrics one step late): `spike` and
+`SpikeGuard`, called by the loop with every step's metrics one step late: `spike` and
 `nonfinite_skipped` events, and the PaLM recipe: after `stability.max_spikes` spikes within
-`stability.window` steps, roll back to the last committed checkpoint before the first of them and
-skip the next `stability.skip_batches` batches. Every process sees the same replicated flags, so
-every process decides the same rollback at the same step without talking to the others.
+`stability.window` steps, a `RollbackRequest`. `Rollbacks` turns it into a plan: back to the last
+committed checkpoint before the first spike, then skip the next `stability.skip_batches` batches.
+Every process sees the same replicated flags, so every process decides the same rollback at the
+same step without talking to the others.
 
 Rollbacks are remembered in `checkpoints/rollbacks.json` (`RollbackLog`): the data skip is applied
 whenever training passes the rollback's target step (also after a restart), checkpoints that the
@@ -29,61 +21,8 @@ import json
 import time
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-
+from jaxtrain.checkpoint.layout import to_path, write_atomic
 from jaxtrain.config import Config
-
-Statistics = dict[str, jax.Array]
-
-_EPS = 1e-12
-
-
-# ----------------------------------------------------------------------------- in the step
-
-
-def init_statistics() -> Statistics:
-    """Empty statistics (`count` 0: nothing seen yet)."""
-    zero = jnp.float32(0.0)
-    return {"loss_mean": zero, "loss_var": zero, "grad_norm_mean": zero, "grad_norm_var": zero,
-            "count": jnp.int32(0), "skipped_steps": jnp.int32(0)}
-
-
-def _z(stats: Statistics, name: str, x: jax.Array) -> jax.Array:
-    return (x - stats[f"{name}_mean"]) / jnp.sqrt(stats[f"{name}_var"] + _EPS)
-
-
-def spike_check(cfg: Config, stats: Statistics, loss: jax.Array, grad_norm: jax.Array) -> dict[str, jax.Array]:
-    """{"spike", "loss_z", "grad_norm_z"}: how far above their running means this step's values are."""
-    s = cfg.stability
-    loss_z, grad_norm_z = _z(stats, "loss", loss), _z(stats, "grad_norm", grad_norm)
-    ready = stats["count"] >= s.min_history
-    spike = ready & ((loss_z > s.spike_threshold) | (grad_norm_z > s.spike_threshold))
-    return {"spike": spike, "loss_z": jnp.where(ready, loss_z, 0.0), "grad_norm_z": jnp.where(ready, grad_norm_z, 0.0)}
-
-
-def update_statistics(cfg: Config, stats: Statistics, loss: jax.Array, grad_norm: jax.Array,
-                      accepted: jax.Array) -> Statistics:
-    """The statistics after a step; unchanged (bitwise) unless `accepted` (applied and finite)."""
-    s = cfg.stability
-    count = stats["count"]
-    # A plain running mean while the history is short, then an EMA over ~window steps.
-    alpha = jnp.maximum(2.0 / (s.window + 1), 1.0 / (count + 1).astype(jnp.float32))
-    ready = count >= s.min_history
-    new = dict(stats)
-    for name, x in (("loss", loss), ("grad_norm", grad_norm)):
-        mean, var = stats[f"{name}_mean"], stats[f"{name}_var"]
-        band = s.spike_threshold * jnp.sqrt(var + _EPS)
-        x = jnp.where(ready, jnp.clip(x, mean - band, mean + band), x)  # an outlier moves them a bounded step
-        delta = x - mean
-        new[f"{name}_mean"] = jnp.where(accepted, mean + alpha * delta, mean)
-        new[f"{name}_var"] = jnp.where(accepted, (1.0 - alpha) * (var + alpha * delta * delta), var)
-    new["count"] = jnp.where(accepted, count + 1, count)
-    new["skipped_steps"] = jnp.where(accepted, stats["skipped_steps"], stats["skipped_steps"] + 1)
-    return new
-
-
-# ----------------------------------------------------------------------------- on the host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +74,6 @@ class RollbackLog:
         """`agree(what, decide)`: process 0 decides, every process gets its answer
         (`Checkpointer.agree`). The records decide how many collective calls follow (one discard
         per record), so every process must see process 0's file, not its own view of the disk."""
-        from jaxtrain.checkpoint.layout import to_path
         self.path = to_path(checkpoint_dir) / self.NAME
         self.primary = primary
 
@@ -153,7 +91,6 @@ class RollbackLog:
 
     def add(self, from_step: int, to_step: int, skip_batches: int, spike_steps: tuple[int, ...]) -> dict:
         """Record a rollback (before its checkpoints are discarded: see the module docstring)."""
-        from jaxtrain.checkpoint.layout import write_atomic
         record = {"time": time.time(), "from_step": from_step, "to_step": to_step, "skip_batches": skip_batches,
                   "spike_steps": list(spike_steps)}
         self.records.append(record)

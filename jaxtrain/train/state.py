@@ -26,9 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.model.llama import Transformer, logical_axes
 from jaxtrain.parallel.sharding import batch_sharding, param_shardings
+from jaxtrain.train.optim import make_optimizer
 from jaxtrain.train.precision import compute_dtype, init_loss_scale
 from jaxtrain.train.stability import init_statistics
-from jaxtrain.train.step import BATCH_KEYS, make_optimizer, make_train_step
+from jaxtrain.train.step import BATCH_KEYS, make_train_step
 
 State = dict[str, Any]
 

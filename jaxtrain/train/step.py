@@ -7,8 +7,10 @@ the state. Metrics come back as device scalars; the host reads them later withou
 next step.
 
 Inside the one step, with no extra host synchronisation: loss scaling (fp16, `precision.py`), the
-guard that skips a step with non-finite gradients by keeping the old state, and spike detection
-with optional skipping (`stability.py`).
+guard that skips a step with non-finite gradients by keeping the old state, spike detection with
+optional skipping (`stability.py`), gradient accumulation over `train.grad_accum` microbatches, and
+the optimizer update (`optim.py`). The mesh, rules and pipeline schedule reach the model and the
+loss as one `Partitioning` argument, built once here from the config (`partitioning`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtrain.parallel import pipeline
 from jaxtrain.config import Config
 from jaxtrain.model.loss import fused_loss
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.sharding import Partitioning, Rules
+from jaxtrain.train.optim import applied_learning_rate, learning_rate_schedule
 from jaxtrain.train.precision import update_loss_scale
-from jaxtrain.parallel.sharding import Rules, constrain, use_rules
 from jaxtrain.train.stability import spike_check, update_statistics
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -33,61 +36,15 @@ Batch = dict[str, jax.Array]  # the BATCH_KEYS, each [B, L]
 State = dict[str, Any]
 
 
-def learning_rate_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to optim.learning_rate, then cosine decay to min_lr_ratio at train.steps."""
-    o = cfg.optim
-    warmup = min(o.warmup_steps, cfg.train.steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
-        decay_steps=max(cfg.train.steps, warmup + 1), end_value=o.learning_rate * o.min_lr_ratio)
+def partitioning(cfg: Config, mesh: Mesh | None, rules: Rules | None) -> Partitioning:
+    """The step's `Partitioning`: the mesh, the rules and, when mesh.stage > 1, the pipeline schedule."""
+    if mesh is None:
+        return Partitioning()
+    return Partitioning(mesh, rules if rules is not None else cfg.mesh.rules, pipeline.schedule_for(cfg, dict(mesh.shape)))
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; no weight decay on norm scales (1-D per layer)."""
-    o = cfg.optim
-
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
-
-    parts = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
-
-
-def applied_learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:
-    """The learning rate this step's update uses: the schedule at the optimizer's own count.
-
-    optax's schedule (`ScaleByScheduleState.count`) counts applied updates, not train steps: a
-    skipped step keeps the old optimizer state, count included, so after k skipped steps step N
-    uses schedule(N - 1 - k), not schedule(N - 1). Reporting the train step's value would show a
-    rate that no update used.
-
-    Raises:
-      ValueError: the optimizer state holds no schedule count, or more than one.
-    """
-    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
-    counts = [s.count for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
-    if len(counts) != 1:
-        raise ValueError(f"expected one ScaleByScheduleState in the optimizer state, found {len(counts)}")
-    return schedule(counts[0])
-
-
-def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token cross-entropy and log-partition (logsumexp of the logits), both in fp32.
-
-    The plain loss on materialised logits: the reference that `jaxtrain.model.loss.fused_loss` (what the
-    step uses) is tested against.
-    """
-    logits_BLV = logits_BLV.astype(jnp.float32)
-    lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-    return lse_BL - target_logit_BL, lse_BL
-
-
-def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch,
-             z_loss: float = 0.0) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 0.0,
+             part: Partitioning = Partitioning()) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """(objective sum, (cross-entropy sum, z-loss sum, counted tokens)) for one (micro)batch.
 
     The objective is the cross-entropy plus `z_loss` x logsumexp(logits)**2 (PaLM's z-loss, which
@@ -96,13 +53,13 @@ def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch,
     logits and their gradient are never materialised.
     """
     model = nnx.merge(graphdef, params)
-    x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], part)
     mask = batch["loss_mask"].astype(jnp.float32)
-    objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss)
+    objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss, part=part)
     return objective, (ce, z, jnp.sum(mask))
 
 
-def split_microbatches(batch: Batch, n: int) -> Batch:
+def split_microbatches(batch: Batch, n: int, part: Partitioning = Partitioning()) -> Batch:
     """[B, L] -> [n, B/n, L], microbatch j taking rows j, j+n, j+2n, ...
 
     Strided rows keep every microbatch spread over all data-parallel devices, so the reshape
@@ -111,7 +68,7 @@ def split_microbatches(batch: Batch, n: int) -> Batch:
     def one(x):
         B = x.shape[0]
         x = x.reshape(B // n, n, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(x, (None, "batch", "length"))
+        return part.constrain(x, (None, "batch", "length"))
     return {k: one(v) for k, v in batch.items()}
 
 
@@ -137,9 +94,10 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     schedule = learning_rate_schedule(cfg)
     accum = cfg.train.grad_accum
     z_loss, guard = cfg.stability.z_loss, cfg.stability.guard
+    part = partitioning(cfg, mesh, rules)
 
     def scaled_loss(params, batch, scale, inject):
-        objective, aux = loss_sum(params, graphdef, batch, z_loss)
+        objective, aux = loss_sum(params, graphdef, batch, z_loss, part)
         # The loss scale (fp16) and the chaos drill's factor multiply what is differentiated.
         return objective * scale * inject, aux
 
@@ -160,7 +118,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
             (ce, z, tokens, grads), _ = jax.lax.scan(
-                micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum))
+                micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum, part))
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree_util.tree_map(lambda g: g / (scale * denom), grads)
         loss = ce * inject / denom  # what a drill injected shows in the loss too
@@ -193,28 +151,17 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
                    "skipped_steps": new_state["stability"]["skipped_steps"]}
         return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 
-    if mesh is None:
-        return step
-    stages = pipeline.schedule_for(cfg, dict(mesh.shape))  # None unless mesh.stage > 1
-
-    def step_with_rules(state: State, batch: Batch):
-        with use_rules(mesh, rules), pipeline.use_schedule(stages):
-            return step(state, batch)
-    return step_with_rules
+    return step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, rules: Rules | None = None,
-                   stages: pipeline.Schedule | None = None) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef: nnx.GraphDef, part: Partitioning = Partitioning()
+                   ) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
     """(params, batch) -> (loss sum, token count) without gradients.
 
-    `stages`: the pipeline schedule when mesh.stage > 1 (`pipeline.schedule_for(cfg, mesh.shape)`);
-    without it the layers still compute the same loss, as one scan over stage-sharded weights.
+    `part`: the mesh, rules and pipeline schedule (`partitioning(cfg, mesh, rules)`); without a
+    schedule the layers still compute the same loss, as one scan over stage-sharded weights.
     """
     def eval_step(params, batch):
-        if mesh is None:
-            _, (ce, _, tokens) = loss_sum(params, graphdef, batch)
-            return ce, tokens
-        with use_rules(mesh, rules), pipeline.use_schedule(stages):
-            _, (ce, _, tokens) = loss_sum(params, graphdef, batch)
-            return ce, tokens
+        _, (ce, _, tokens) = loss_sum(params, graphdef, batch, part=part)
+        return ce, tokens
     return eval_step

@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from trees import assert_trees_close, assert_trees_differ
 
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain.model.attention import resolve_attention
 from jaxtrain.parallel.sharding import global_batch
 from jaxtrain.train.step import BATCH_KEYS
-from jaxtrain.trainer import Trainer, resolve_attention
-from trees import assert_trees_close, assert_trees_differ
+from jaxtrain.trainer import Trainer
 
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "data.seq_len=32",
@@ -73,8 +74,8 @@ def test_xla_attention_with_a_sharded_sequence_equals_one_device():
 def test_kernel_under_a_sharded_sequence_is_refused_at_trace_time_too():
     """Even past the config check (a model traced under other rules), per_shard refuses to split length."""
     from jaxtrain.parallel.mesh import build_mesh
-    from jaxtrain.parallel.sharding import per_shard, use_rules
+    from jaxtrain.parallel.sharding import Partitioning
     cfg = load_config(None, SMALL + ["mesh.fsdp=2", "mesh.rules={length: fsdp}"])
-    with use_rules(build_mesh(cfg.mesh, jax.devices()[:2]), cfg.mesh.rules):
-        with pytest.raises(ConfigError, match="must see whole length"):
-            per_shard(lambda x: x, (("batch", "length"),), ("batch", "length"), whole=("length",))
+    part = Partitioning(build_mesh(cfg.mesh, jax.devices()[:2]), cfg.mesh.rules)
+    with pytest.raises(ConfigError, match="must see whole length"):
+        part.per_shard(lambda x: x, (("batch", "length"),), ("batch", "length"), whole=("length",))

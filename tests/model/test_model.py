@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from trees import assert_trees_close
 
 from jaxtrain.config import load_config
 from jaxtrain.data import build_train_data
 from jaxtrain.model.llama import Transformer
+from jaxtrain.train.optim import make_optimizer
 from jaxtrain.train.precision import init_loss_scale
 from jaxtrain.train.stability import init_statistics
-from jaxtrain.train.step import loss_sum, make_optimizer, make_train_step
-from trees import assert_trees_close
+from jaxtrain.train.step import loss_sum, make_train_step
 
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64", "model.attention=xla",
@@ -100,6 +101,7 @@ def test_initial_loss_is_near_ln_vocab_for_every_shipped_config(path):
     are shrunk to fit the test (the initial logits' scale depends on d_model only); d_model, heads
     and tying are the config's own."""
     import math
+
     from jaxtrain.model.llama import LOGIT_STD
     cfg = load_config(path)
     vocab = min(cfg.model.vocab_size, 4096)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from trees import assert_trees_close, assert_trees_differ
 
 from jaxtrain.config import load_config
 from jaxtrain.parallel.sharding import bytes_per_device, global_batch
 from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
-from trees import assert_trees_close, assert_trees_differ
 
 # Sizes chosen so every weight dimension divides by 8 (tensor=8 needs heads and kv_heads of 8).
 BASE = [

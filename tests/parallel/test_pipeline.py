@@ -17,18 +17,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from trees import assert_trees_close, assert_trees_differ, assert_trees_equal
 
 from jaxtrain import cli
-
-from jaxtrain.parallel import pipeline
 from jaxtrain.checkpoint import restore_params_only
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.observe.inspection import collective_bytes, format_report, inspect_report
+from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import validate_against_devices
 from jaxtrain.parallel.sharding import global_batch
 from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
-from trees import assert_trees_close, assert_trees_differ, assert_trees_equal
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = [
@@ -215,13 +214,12 @@ def test_inspect_reports_the_pipeline_schedule(inspect_json):
             "bubble (S-1)/(R*M+S-1) = 42.9%") in text.splitlines(), text
 
 
-def test_iteration_remat_bounds_pipeline_memory(inspect_json, monkeypatch):
+def test_iteration_remat_bounds_pipeline_memory(inspect_json):
     """Remat of every scan iteration keeps only the stages' inputs for the backward pass: XLA's
     temporary memory per device is a fraction of what the same step needs without it. (Measured
     on this config: 0.60 MiB with, 2.48 MiB without, 0.24x; 0.14-0.24x at longer sequences,
     larger batches and with R=2.)"""
-    monkeypatch.setattr(pipeline, "REMAT_ITERATIONS", False)
-    without = inspect_report(load_config(REPO / "configs/tiny.yaml", BASE + INSPECT))
+    without = inspect_report(load_config(REPO / "configs/tiny.yaml", BASE + INSPECT + ["pipeline.remat_iterations=false"]))
     with_remat = inspect_json["memory_bytes_per_device"]
     assert with_remat["arguments"] == without["memory_bytes_per_device"]["arguments"]  # the same state
     assert with_remat["temporaries"] <= 0.5 * without["memory_bytes_per_device"]["temporaries"], (

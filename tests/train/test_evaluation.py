@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.observe import throughput
 from jaxtrain.config import load_config
 from jaxtrain.data import build_eval_data
-from jaxtrain.train.evaluation import Evaluator
+from jaxtrain.observe import throughput
 from jaxtrain.observe.throughput import Throughput
+from jaxtrain.train.evaluation import Evaluator
 from jaxtrain.trainer import Trainer
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs/tiny.yaml")

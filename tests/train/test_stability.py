@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.extend import core as jax_core
+from trees import assert_trees_equal, named_leaves
 
 from jaxtrain.checkpoint import Checkpointer, list_checkpoints
 from jaxtrain.checkpoint.layout import MARKER
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model.llama import Transformer
+from jaxtrain.train.optim import learning_rate_schedule
 from jaxtrain.train.precision import compute_dtype
-from jaxtrain.train.step import learning_rate_schedule, loss_sum
+from jaxtrain.train.step import loss_sum
 from jaxtrain.trainer import Trainer
-from trees import assert_trees_equal, named_leaves
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/tiny.yaml"
