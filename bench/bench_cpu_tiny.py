@@ -138,6 +138,7 @@ def main() -> None:
     load_start = loadavg()
 
     import jax
+
     from jaxtrain.config import load_config
     from jaxtrain.observe.throughput import flops_per_step, measure_matmul_peak
     from jaxtrain.trainer import Trainer

@@ -39,9 +39,9 @@ import jax  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from jaxtrain.parallel import pipeline  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.observe.inspection import collective_bytes  # noqa: E402
+from jaxtrain.parallel import pipeline  # noqa: E402
 from jaxtrain.trainer import Trainer  # noqa: E402
 
 MODEL = ["model.vocab_size=256", "model.d_model=128", "model.num_layers=8", "model.num_heads=4",

@@ -10,8 +10,8 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Triton kernels run under the Triton interpreter here (no GPU). Triton reads this when its
-# decorators run, and transformers/torch (tests/test_hf.py) import triton at collection time,
-# before tests/test_kernels_triton.py could set it.
+# decorators run, and transformers/torch (tests/hf/test_hf.py) import triton at collection time,
+# before tests/kernels/test_kernels_triton.py could set it.
 os.environ["TRITON_INTERPRET"] = "1"
 
 import jax  # noqa: E402

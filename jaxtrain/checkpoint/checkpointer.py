@@ -17,11 +17,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, fsync_tree, is_local, latest_good,
-                                        list_files, scan, to_path, write_atomic)
+from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, fsync_tree, is_local, latest_good, list_files,
+                                        scan, to_path, write_atomic)
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client as _client
-from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.checkpoint.storage import check_access, split_url
+from jaxtrain.config import CheckpointConfig, ConfigError
 
 EventFn = Callable[..., None]  # on_event(kind: str, step: int, **details)
 

@@ -14,10 +14,10 @@ from typing import Callable, Optional
 from etils import epath
 
 from jaxtrain.arguments import Parser
-from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_USAGE
 from jaxtrain.checkpoint.paths import is_remote
 from jaxtrain.checkpoint.storage import check_access, filesystem
+from jaxtrain.config import ConfigError
+from jaxtrain.exit_codes import EXIT_USAGE
 
 MARKER = "commit.json"
 FORMAT = "jaxtrain-checkpoint/1"

@@ -19,11 +19,11 @@ import numpy as np
 import yaml
 
 from jaxtrain.checkpoint import storage
+from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.config import Config, ConfigError, from_dict, load_config
 from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, refuse_url,
-                               writing, write_safetensors)
+                               write_safetensors, writing)
 from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors_from_params
-from jaxtrain.checkpoint.paths import is_remote, join
 
 
 def _parent(folder: str) -> Optional[str]:

@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxtrain.checkpoint import storage
+from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.hf.mapping import hf_shapes
-from jaxtrain.checkpoint.paths import is_remote, join
 
 HF_CONFIG = "hf_config.json"  # the source's config.json, kept beside an import
 # Tokenizer (and generation) files copied through on import and export when present.

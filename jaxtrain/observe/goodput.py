@@ -40,11 +40,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.checkpoint import storage
 from jaxtrain.arguments import Parser, parse
+from jaxtrain.checkpoint import storage
+from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_OK
-from jaxtrain.checkpoint.paths import is_remote, join
 
 PARTS = ("productive_s", "startup_s", "checkpoint_s", "restart_downtime_s", "hang_s", "redone_steps_s",
          "data_wait_s", "eval_s", "skipped_steps_s", "other_s")

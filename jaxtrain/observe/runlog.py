@@ -16,8 +16,8 @@ import time
 from typing import IO, Any
 
 from jaxtrain.checkpoint import storage
-from jaxtrain.config import Config, save_config
 from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.config import Config, save_config
 from jaxtrain.observe.tensorboard import ScalarWriter
 
 

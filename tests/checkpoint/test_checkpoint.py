@@ -1,7 +1,7 @@
 """Checkpoint library: round trip, resharding, damage fallback, non-finite skip, retention,
 kill mid-write, shape mismatch, init_from, CLI listing, compilation cache.
 
-Run as a script (`python tests/test_checkpoint.py kill DIR`) it is the child process of the
+Run as a script (`python tests/checkpoint/test_checkpoint.py kill DIR`) it is the child process of the
 kill-mid-write test.
 """
 

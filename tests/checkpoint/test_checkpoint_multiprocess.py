@@ -1,6 +1,6 @@
 """Checkpoints across process counts: 2 local JAX processes (gloo) x 4 CPU devices each.
 
-Run as a script (`python tests/test_checkpoint_multiprocess.py MODE PID PORT DIR...`) it is one
+Run as a script (`python tests/checkpoint/test_checkpoint_multiprocess.py MODE PID PORT DIR...`) it is one
 worker process of these tests.
 """
 
@@ -156,7 +156,6 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
 
 def _shard_indices(mesh, shape: tuple) -> dict:
     from jax.sharding import NamedSharding
-
     from test_checkpoint import spec_for
     return NamedSharding(mesh, spec_for(shape, mesh)).devices_indices_map(shape)
 

@@ -36,8 +36,8 @@ from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of,
 from trees import assert_trees_equal  # noqa: E402
 
 from jaxtrain import checkpoint as ckpt_lib  # noqa: E402
-from jaxtrain.checkpoint import storage  # noqa: E402
 from jaxtrain.checkpoint import Checkpointer  # noqa: E402
+from jaxtrain.checkpoint import storage  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.observe.tensorboard import read_scalars  # noqa: E402
 from jaxtrain.trainer import Trainer  # noqa: E402
@@ -503,8 +503,9 @@ def test_export_hf_reads_a_run_directory_in_a_bucket(servers, scheme, tmp_path, 
     a wrong bucket and a folder without a run are one line, exit 2, nothing written."""
     import shutil
 
-    from jaxtrain import cli
     from safetensors.numpy import load_file
+
+    from jaxtrain import cli
     src = _hf_source(tmp_path / "src")
     local = tmp_path / "imported"
     assert cli.main(["import-hf", str(src), "--output", str(local)]) == 0

@@ -14,11 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from trees import assert_trees_equal
 
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
-from trees import assert_trees_equal
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/tiny.yaml")

@@ -17,8 +17,7 @@ import pytest
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.data import build_eval_data, build_train_data
 from jaxtrain.data.packing import FIELDS, SequenceSource, pack_window
-from jaxtrain.data.prepare import main as prepare_main
-from jaxtrain.data.prepare import prepare
+from jaxtrain.data.prepare import main as prepare_main, prepare
 from jaxtrain.data.sources import Corpus, open_tokens, write_meta
 from jaxtrain.data.tokenizer import BYTES_EOD_ID, load_tokenizer
 

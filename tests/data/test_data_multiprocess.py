@@ -14,12 +14,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from test_data import random_docs, write_tokens
 
 from jaxtrain.config import load_config
 from jaxtrain.data import build_train_data
 from jaxtrain.data.packing import FIELDS
-
-from test_data import random_docs, write_tokens
 
 STEPS = 3
 

@@ -1,7 +1,7 @@
 """Stopping together without per-step host synchronisation: signal flags, agreed decisions at sync
 points only, the same collective path on every process at start-up.
 
-Run as a script (`python tests/test_preemption.py worker PID PORT DIR`) it is one process of the
+Run as a script (`python tests/fault/test_preemption.py worker PID PORT DIR`) it is one process of the
 two-process job of `test_no_cross_process_call_on_ordinary_steps`.
 """
 
@@ -50,8 +50,8 @@ def test_one_process_decides_at_every_step_without_any_collective():
     import jax
 
     from jaxtrain.config import MeshConfig
-    from jaxtrain.parallel.mesh import build_mesh
     from jaxtrain.fault.preemption import HostSync
+    from jaxtrain.parallel.mesh import build_mesh
     sync = HostSync(build_mesh(MeshConfig(), jax.devices()[:1]), every=5, process_count=1)
     assert sync.poll(1, stop_requested=False, save_due=True).save
     assert sync.poll(2, stop_requested=True, save_due=False).stop

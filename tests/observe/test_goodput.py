@@ -5,7 +5,7 @@ hangs after step 4 until the watchdog fires, and is restarted by the launcher; a
 step 2, re-does steps 3-4, trains to step 6 (an evaluation at step 6) and finishes. Every number is
 chosen so that each part can be computed by hand (the comments give the arithmetic). Real runs:
 one with a hang (the watchdog) and a restart, here; one with a killed process and a restart in
-tests/test_launch.py (the killed-process test).
+tests/launch/test_launch.py (the killed-process test).
 """
 
 from __future__ import annotations

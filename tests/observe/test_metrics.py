@@ -7,8 +7,8 @@ import pytest
 
 from jaxtrain.config import load_config
 from jaxtrain.observe.inspection import collective_bytes
-from jaxtrain.observe.throughput import flops_per_step
 from jaxtrain.observe.tensorboard import ScalarWriter, crc32c, read_scalars
+from jaxtrain.observe.throughput import flops_per_step
 
 
 def test_crc32c_known_answer():
@@ -95,6 +95,7 @@ def inspect_json():
     import io
     import json
     from contextlib import redirect_stdout
+
     from jaxtrain import cli
     reports = {}
     for name, mesh in {"fsdp": ["mesh.data=1", "mesh.fsdp=8"], "data": ["mesh.data=8"]}.items():

@@ -13,8 +13,8 @@ import pytest
 
 from jaxtrain import cli
 from jaxtrain.config import load_config
-from jaxtrain.observe.profiling import (COLLECTIVE_KINDS, PARTS, StepProfiler, _Event, _exclusive_segments, events_from_planes,
-                                parse_hlo, summarize_events)
+from jaxtrain.observe.profiling import (COLLECTIVE_KINDS, PARTS, StepProfiler, _Event, _exclusive_segments,
+                                        events_from_planes, parse_hlo, summarize_events)
 
 RUN = ["mesh.data=2", "mesh.fsdp=4", "model.d_model=64", "model.num_layers=2", "model.num_heads=4",
        "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=128", "model.vocab_size=256",

@@ -1,0 +1,178 @@
+"""The package's import graph: no cycles, and every import points down the documented layers.
+
+Layers, from the entry points down (README "Where things live", DESIGN §3):
+
+    entry         cli, launch/                      (nothing below imports them)
+    loop          trainer
+    capabilities  fault/ observe/ train/ checkpoint/ data/ hf/   (may use each other, without cycles)
+    core          model/ parallel/                  (model may use parallel, never the reverse)
+    base          config, arguments, exit_codes, env, xla_cpu
+
+`kernels/` stands apart: the model calls into it and it imports nothing from `jaxtrain`. Every
+import counts, also the ones inside functions (a lazy import is still a dependency). The graph is
+read from the source with `ast`, so nothing is imported to test it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+RANK = {"cli": 5, "launch": 5, "trainer": 4,
+        "fault": 3, "observe": 3, "train": 3, "checkpoint": 3, "data": 3, "hf": 3,
+        "model": 2, "parallel": 2,
+        "config": 1, "arguments": 1, "exit_codes": 1, "env": 1, "xla_cpu": 1}
+
+
+def modules(package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of `package` (packages by their __init__)."""
+    out = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The known modules that the module `name` (at `path`) imports anywhere in its body."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            # `from a.b import c`: a.b.c when that is a module, else a.b itself
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a known a.b
+                target = target.rpartition(".")[0]
+            if target:
+                found.add(target)
+    return found - {name}
+
+
+def graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports. Edges into the `jaxtrain` facade (`__version__`) are left
+    out: importing any submodule runs the facade first anyway, and it imports the rest lazily."""
+    mods = {**modules("jaxtrain"), **modules("kernels")}
+    known = set(mods)
+    return {name: imports(path, name, known) - {"jaxtrain"} for name, path in mods.items()}
+
+
+def wing(module: str) -> str:
+    """`jaxtrain.fault.watchdog` -> `fault`; `jaxtrain.cli` -> `cli`; `kernels.x` -> `kernels`."""
+    parts = module.split(".")
+    return "kernels" if parts[0] == "kernels" else parts[1] if len(parts) > 1 else "jaxtrain"
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def edges() -> dict[str, set[str]]:
+    return graph()
+
+
+def test_the_graph_is_read(edges):
+    """The walker sees real edges (a broken walker would pass every test below)."""
+    assert "jaxtrain.parallel.sharding" in edges["jaxtrain.model.llama"]
+    assert "jaxtrain.fault.watchdog" in edges["jaxtrain.trainer"]
+    assert "kernels" in edges["jaxtrain.model.attention"]
+    assert len(edges) > 60
+
+
+def test_no_module_import_cycles(edges):
+    assert cycles(edges) == []
+
+
+def test_no_cycles_between_wings(edges):
+    """Capabilities may use each other, but not both ways round (that is one concept in two folders)."""
+    wings: dict[str, set[str]] = {}
+    for src, targets in edges.items():
+        for dst in targets:
+            if wing(src) != wing(dst):
+                wings.setdefault(wing(src), set()).add(wing(dst))
+    assert cycles(wings) == []
+
+
+def test_every_import_points_down_the_layers(edges):
+    upward = []
+    for src, targets in sorted(edges.items()):
+        if wing(src) in ("jaxtrain", "kernels"):  # the package facade; kernels checked below
+            continue
+        for dst in sorted(targets):
+            if wing(dst) == "kernels":
+                if RANK[wing(src)] < 2:
+                    upward.append(f"{src} -> {dst}")
+                continue
+            if RANK[wing(dst)] > RANK[wing(src)] or (wing(src) == "parallel" and wing(dst) == "model"):
+                upward.append(f"{src} -> {dst}")
+    assert upward == [], "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_nothing_below_the_entry_points_imports_the_launcher(edges):
+    users = sorted(src for src, targets in edges.items()
+                   if any(wing(t) == "launch" for t in targets) and wing(src) not in ("cli", "launch"))
+    assert users == []
+
+
+def test_kernels_import_nothing_from_jaxtrain(edges):
+    assert sorted(f"{s} -> {t}" for s, ts in edges.items() if wing(s) == "kernels"
+                  for t in ts if t.startswith("jaxtrain")) == []
+
+
+def test_every_module_is_in_a_layer(edges):
+    """A new top-level module or folder must be given its place in RANK (and in the README)."""
+    assert sorted({wing(m) for m in edges} - set(RANK) - {"jaxtrain", "kernels"}) == []
+
+
+def test_every_module_says_what_it_owns():
+    missing = [str(p.relative_to(REPO)) for name, p in {**modules("jaxtrain"), **modules("kernels")}.items()
+               if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert missing == []
+
+
+def test_the_checker_catches_a_cycle_and_an_upward_import():
+    """The checks can fail: a made-up graph with both defects."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert RANK[wing("jaxtrain.model.llama")] < RANK[wing("jaxtrain.trainer")]
