@@ -15,8 +15,9 @@ import time
 _STARTED_AT = time.time()  # before JAX is imported: restart_to_first_step_s counts from here
 
 from jaxtrain.arguments import Parser, add_run_arguments, parse, train_parser  # noqa: E402
+from jaxtrain.checkpoint.storage import TransientStorageError  # noqa: E402  (no JAX import)
 from jaxtrain.config import ConfigError  # noqa: E402
-from jaxtrain.exit_codes import EXIT_OK, EXIT_USAGE  # noqa: E402
+from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE  # noqa: E402
 
 
 def _set_cpu_devices(n: int | None) -> None:
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except TransientStorageError as e:  # a 5xx, throttling or timeout, retried: restart, do not stop the job
+        print(f"jaxtrain: storage unavailable (transient), restart me: {e}", file=sys.stderr)
+        return EXIT_RESTART
     except SystemExit as e:  # --help of a subcommand
         return int(e.code or 0)
     except KeyboardInterrupt:
