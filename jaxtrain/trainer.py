@@ -36,7 +36,7 @@ from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.checkpoint.storage import check_access
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
-from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART
+from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.fault.chaos import Chaos
 from jaxtrain.fault.preemption import HostSync, StopSignals
 from jaxtrain.fault.preflight import run_preflight
@@ -338,8 +338,11 @@ class Trainer:
         jax.block_until_ready(self.state)
         skipped = int(jax.device_get(self.state["stability"]["skipped_steps"]))
         if stop is not None:
-            self.log.event(stop, self._host_step, exit_code=EXIT_RESTART, skipped_steps=skipped, **self._stop_details)
-            return {"step": self._host_step, "exit_code": EXIT_RESTART}
+            # A spent rollback budget would hit the same wall after a restart: "a human is needed" (78),
+            # which every recipe treats like a user error; a preemption asks to be restarted (75).
+            code = EXIT_HUMAN if stop == "rollback_limit" else EXIT_RESTART
+            self.log.event(stop, self._host_step, exit_code=code, skipped_steps=skipped, **self._stop_details)
+            return {"step": self._host_step, "exit_code": code}
         details = {"stragglers": dict(self.stragglers.reports)} if self.process_count > 1 else {}
         self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks), **details)
         return {"step": self._host_step, "exit_code": EXIT_OK}

@@ -8,6 +8,8 @@ plus the failure history and the limits; one decision out:
 The rules (exit codes as in DESIGN §4):
 - every process exited 0 -> Done;
 - a user error (exit 2) -> Stop: it would fail the same way again, so it is never restarted;
+- "stop, a human is needed" (exit 78: the rollback budget is spent, the same deterministic failure
+  came back) -> Stop with 78, for the same reason: a restart would hit the same wall;
 - anything else (75 "restart me", another code, a signal) -> Restart while restarts are left, else
   GiveUp with the failure's exit code;
 - blame (`blame`): the first process to exit non-zero is the failure. A crash counts against the
@@ -20,6 +22,10 @@ The rules (exit codes as in DESIGN §4):
   decision is Isolate that slot: continue without it (the caller plans the smaller job, see
   `elastic.plan_shrink`, and applies `Isolate.fallback` when there is none).
 
+Budgets under SLURM (`slurm_restart`) count only attempts that made no progress (`made_progress`:
+no checkpoint saved past the one the attempt resumed from), so routine interruptions (time limits,
+preemptions, which save an emergency checkpoint) never spend them.
+
 A slot is where a process runs: a `jaxtrain launch` slot number (kept when another slot is
 isolated), or a node name under SLURM. Used by the Supervisor (`supervisor.py`) and by
 `jaxtrain recovery decide` (`recovery_cli.py`), which train.sbatch calls, so no shell script
@@ -31,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Mapping, Sequence, Union
 
-from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE
+from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART, EXIT_USAGE
 
 Slot = Union[int, str]  # a `jaxtrain launch` slot number, or a node name (SLURM)
 
@@ -155,11 +161,11 @@ class Done:
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
-    """A user error (exit 2): stop, never restart.
+    """A user error (exit 2) or "a human is needed" (exit 78): stop, never restart.
 
     Attributes:
-      process: the first process that exited 2 (None: only the scheduler's code said so).
-      code: the exit code to end with (2).
+      process: the first process that exited with `code` (None: only the scheduler's code said so).
+      code: the exit code to end with (2 or 78).
     """
 
     process: int | None
@@ -272,19 +278,15 @@ def decide(attempt: Attempt, history: History, limits: Limits) -> Decision:
     Returns:
       Done, Stop, Restart, Isolate (with its fallback) or GiveUp; the last three carry the new history.
     """
-    if attempt.code is not None:  # the scheduler's word on the whole job
-        if attempt.code == EXIT_OK:
-            return Done()
-        if attempt.code == EXIT_USAGE:
-            user = next((e for e in attempt.exits if e.code == EXIT_USAGE), None)
-            return Stop(process=user.process if user else None)
-    else:
-        # A user error anywhere wins: restarting would only fail the same way again.
-        user = next((e for e in attempt.exits if e.code == EXIT_USAGE), None)
-        if user is not None:
-            return Stop(process=user.process)
-        if first_failure(attempt.exits) is None:
-            return Done()
+    for stop_code in (EXIT_USAGE, EXIT_HUMAN):  # a user error anywhere wins over "a human is needed"
+        # Either would only fail the same way again: never restarted, whatever the others did. A
+        # scheduler's code for the whole job (srun's) decides for 2; a task's 78 counts even when srun
+        # reports another code (the peers it left behind were killed, srun may report their 137).
+        first = next((e for e in attempt.exits if e.code == stop_code), None)
+        if attempt.code == stop_code or (first is not None and (attempt.code is None or stop_code == EXIT_HUMAN)):
+            return Stop(process=first.process if first else None, code=stop_code)
+    if attempt.code == EXIT_OK or (attempt.code is None and first_failure(attempt.exits) is None):
+        return Done()
     failure = blame(attempt)
     history = history.after(failure.suspect)
     code = exit_status(attempt.code if attempt.code is not None else failure.code)
@@ -315,19 +317,41 @@ def exit_after_signal(codes: Sequence[int | None], signum: int) -> int:
     return 128 + signum
 
 
+def made_progress(restored_before: int, saved_after: int) -> bool:
+    """Whether an attempt moved the run forward: it committed a checkpoint past the one it started from.
+
+    Why checkpoints and not the last step logged: the next attempt resumes from the latest checkpoint,
+    so a crash loop that always dies a few steps after the same checkpoint logs new steps every time
+    and yet gets nowhere; an attempt that saved (an emergency checkpoint at the time limit, a
+    preemption) did get somewhere, and costs no budget.
+
+    Args:
+      restored_before: the step the attempt resumed from (-1: it started fresh or it is unknown).
+      saved_after: the latest step it saved a checkpoint at (-1, or <= restored_before: none).
+    Returns:
+      True when saved_after > restored_before.
+    """
+    return saved_after > restored_before
+
+
 def slurm_restart(step_restarts_done: int, step_restarts: int, time_left_s: float, min_time_left_s: float,
-                  requeues_done: int, max_requeues: int) -> Literal["restart", "requeue"] | None:
+                  requeues_done: int, max_requeues: int,
+                  progress: bool = False) -> Literal["restart", "requeue"] | None:
     """How train.sbatch restarts a failed step: inside the allocation, by a requeue, or not at all.
 
     A step restart (same nodes, seconds) while `step_restarts` are not spent and at least
     `min_time_left_s` is left in the allocation (not after the time-limit SIGTERM, for one); then a
-    requeue (a new allocation, through the queue) while `max_requeues` are not spent.
+    requeue (a new allocation, through the queue) while `max_requeues` are not spent. The budgets
+    count only attempts that made no progress (`made_progress`): with `progress`, a restart or a
+    requeue is possible whatever was spent (the caller then does not count it), so routine
+    interruptions (time limits, preemptions) never use up the budget that is meant for a job that
+    keeps hitting the same wall. A budget of 0 still turns that kind of restart off.
 
     Returns:
       "restart", "requeue", or None (nothing left).
     """
-    if step_restarts_done < step_restarts and time_left_s >= min_time_left_s:
+    if step_restarts > 0 and (progress or step_restarts_done < step_restarts) and time_left_s >= min_time_left_s:
         return "restart"
-    if requeues_done < max_requeues:
+    if max_requeues > 0 and (progress or requeues_done < max_requeues):
         return "requeue"
     return None

@@ -7,10 +7,14 @@ applies what these verbs decide; it re-implements none of the policy (`policy.py
         --nodes N --tasks N [--devices-per-process N] [--isolate-after K]
         [--step-restarts-done n --step-restarts M] [--time-left-s S --min-time-left-s S]
         [--requeues-done n --max-requeues M] -- train --config PATH [key=value ...]
-      prints one line, the decision: `done`, `stop` (user error), `restart` (the step, inside the
-      allocation), `requeue`, `isolate NODE OVERRIDE...` (leave NODE out, append the overrides) or
-      `give-up`; says why on stderr (`jaxtrain: ...` lines); keeps the failure history in
-      DIR/failed_nodes (one line per failed attempt: the node it counted against, `-` for nobody).
+      prints one line, the decision: `done`, `stop` (user error: exit 2), `stop 78` (a human is needed),
+      `restart [free]` (the step, inside the allocation), `requeue [free]`, `isolate NODE OVERRIDE...`
+      (leave NODE out, append the overrides) or `give-up`; `free`: the attempt made progress (it saved
+      a checkpoint past the one it resumed from, `policy.made_progress`), so the restart or requeue
+      is not counted against --step-restarts / --max-requeues (the script does not count it). Says
+      why on stderr (`jaxtrain: ...` lines); keeps the failure history in DIR/failed_nodes (one line
+      per failed attempt: the node it counted against, `-` for nobody) and each attempt's
+      `<attempt> <restored step> <saved step>` in DIR/progress.
       FILE has one `<time> <task> <node> <exit code>` line per task (train.sbatch's task wrapper).
     jaxtrain recovery shrink --num-processes P [--devices-per-process N] -- train ...
       prints the overrides that continue the run on one process fewer (exit 1 and the reason when
@@ -33,14 +37,15 @@ from typing import Callable
 
 from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_OK
+from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_USAGE
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
 from jaxtrain.launch.policy import (Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits, Restart, Stop,
-                                    blamed_process, decide, slurm_restart)
+                                    blamed_process, decide, made_progress, slurm_restart)
 from jaxtrain.launch.runfiles import read_events
 from jaxtrain.launch.train_command import TrainCommand, child_command, split_train_argv
 
 HISTORY_FILE = "failed_nodes"  # in the --state folder: one line per failed attempt, "-" for nobody
+PROGRESS_FILE = "progress"  # in the --state folder: "<attempt> <restored step> <saved step>" per attempt
 NOBODY = "-"
 EXIT_NO = 1  # shrink/blame: a valid question whose answer is "none"
 
@@ -115,6 +120,32 @@ def record_failure(state: Path, suspect: str | None) -> None:
         f.write(f"{NOBODY if suspect is None else suspect}\n")
 
 
+def attempt_progress(state: Path, attempt_no: int, events: list[dict]) -> tuple[int, int]:
+    """(the step this attempt resumed from, the latest step it saved a checkpoint at), and record them.
+
+    The resumed-from step is the attempt's own `resume` event; without one (it started fresh, or
+    died before restoring) the previous attempt's saved step stands in (-1 before any). The saved
+    step is the attempt's latest `checkpoint_saved` event (-1: none). `events` are the attempt's
+    own (logged since it started): a remote run directory gives none, so no attempt there ever
+    counts as progress, which keeps the budgets as strict as they were.
+    """
+    path = state / PROGRESS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    previous = -1
+    for line in reversed(lines):
+        fields = line.split()
+        if len(fields) == 3 and fields[2].lstrip("-").isdigit():
+            previous = max(int(fields[1]) if fields[1].lstrip("-").isdigit() else -1, int(fields[2]))
+            break
+    restored = next((int(e["restored_step"]) for e in events
+                     if e.get("kind") == "resume" and isinstance(e.get("restored_step"), int)), previous)
+    saved = max((int(e["step"]) for e in events
+                 if e.get("kind") == "checkpoint_saved" and isinstance(e.get("step"), int)), default=-1)
+    with open(path, "a") as f:
+        f.write(f"{attempt_no} {restored} {saved}\n")
+    return restored, saved
+
+
 # ----------------------------------------------------------------------------- the verbs
 
 
@@ -185,10 +216,14 @@ def _decide(argv: list[str]) -> int:
     if not exits_file.is_file():
         raise ConfigError(f"--exits {exits_file}: no such file")
     exits, nodes = read_exits(exits_file, args.tasks)
-    attempt = Attempt(exits=exits, slots=nodes, events=tuple(read_events(train.cfg.run.output_dir)),
+    events = read_events(train.cfg.run.output_dir)
+    attempt = Attempt(exits=exits, slots=nodes, events=tuple(events),
                       started=args.attempt_started, code=args.exit_code)
+    own_events = [e for e in events if e.get("time", 0.0) >= args.attempt_started]
+    restored, saved = attempt_progress(state, args.attempt, own_events)
+    progress = made_progress(restored, saved)
     how = slurm_restart(args.step_restarts_done, args.step_restarts, args.time_left_s, args.min_time_left_s,
-                        args.requeues_done, args.max_requeues)
+                        args.requeues_done, args.max_requeues, progress=progress)
     limits = Limits(restarts_left=1 if how else 0, isolate_after=args.isolate_after, isolation_is_restart=False)
     decision = decide(attempt, read_history(state), limits)
 
@@ -197,8 +232,9 @@ def _decide(argv: list[str]) -> int:
         print("done")
         return EXIT_OK
     if isinstance(decision, Stop):
-        _say(f"user error (exit {decision.code}), not restarted")
-        print("stop")
+        what = "a human is needed" if decision.code == EXIT_HUMAN else "user error"
+        _say(f"{what} (exit {decision.code}), not restarted")
+        print("stop" if decision.code == EXIT_USAGE else f"stop {decision.code}")
         return EXIT_OK
     record_failure(state, decision.failure.suspect)
     _say(_first_failure_line(args.attempt, args.exit_code, decision.failure, decision.history.streak))
@@ -223,13 +259,24 @@ def _decide(argv: list[str]) -> int:
                 print(f"isolate {node} {overrides}")
                 return EXIT_OK
         decision = decision.fallback
+    start = f"the step {restored} it resumed from" if restored >= 0 else "its fresh start"
+    free = f"not counted: the attempt saved step {saved}, past {start}" if progress else ""
     if isinstance(decision, Restart) and how == "restart":
-        _say(f"restarting the step inside the allocation (step restart {args.step_restarts_done + 1} of "
-             f"{args.step_restarts})")
-        print("restart")
+        if progress:
+            _say(f"restarting the step inside the allocation ({free}; {args.step_restarts_done} of "
+                 f"{args.step_restarts} step restarts counted)")
+            print("restart free")
+        else:
+            _say(f"restarting the step inside the allocation (step restart {args.step_restarts_done + 1} of "
+                 f"{args.step_restarts})")
+            print("restart")
     elif isinstance(decision, Restart):
-        _say(f"requeueing (requeue {args.requeues_done + 1} of {args.max_requeues})")
-        print("requeue")
+        if progress:
+            _say(f"requeueing ({free}; {args.requeues_done} of {args.max_requeues} requeues counted)")
+            print("requeue free")
+        else:
+            _say(f"requeueing (requeue {args.requeues_done + 1} of {args.max_requeues})")
+            print("requeue")
     else:
         assert isinstance(decision, GiveUp)
         _say(f"exit {args.exit_code} and no restarts or requeues left")

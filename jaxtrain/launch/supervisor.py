@@ -11,6 +11,7 @@ This module owns the processes: starting them, forwarding their output and signa
 What to do when an attempt ends is `policy.decide` (exit codes as in DESIGN §4):
 - all processes exit 0 -> exit 0;
 - one exits 2 (bad config/usage/input) -> stop the others, exit 2; a user error is never restarted;
+- one exits 78 ("stop, a human is needed": the rollback budget is spent, ...) -> the same, exit 78;
 - one exits 75 ("restart me"), exits non-zero otherwise, or dies from a signal -> stop the others
   and restart the whole job with the same command on a new port, at most --max-restarts times. The
   trainer resumes from the latest checkpoint in run.output_dir by itself; the launcher appends a
@@ -44,7 +45,7 @@ from typing import IO, Callable, Sequence
 from jaxtrain import env
 from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE
+from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
 from jaxtrain.launch.policy import (Attempt, Done, Exit, GiveUp, History, Isolate, Limits, Stop, decide,
                                     exit_after_signal)
@@ -54,6 +55,7 @@ from jaxtrain.launch.train_command import child_command, split_train_argv
 from jaxtrain.observe.runlog import append_event
 
 POLL_INTERVAL_S = 0.1
+KILL_WAIT_S = 10.0  # how long to wait for a process after SIGKILL before going on without it
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -261,13 +263,23 @@ class Supervisor:
         if any(p.poll() is None for p in self._procs):
             self.say(f"processes still running {self.grace_period_s:g} s after the signal: sending SIGKILL")
         self._signal_all(signal.SIGKILL)
-        for p in self._procs:
-            p.wait()
+        for i, p in enumerate(self._procs):
+            try:
+                p.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                # SIGKILL does not end a process in uninterruptible sleep (D state: a hung NFS or GPU
+                # driver call): waiting for it would block the launcher forever. Say so and go on;
+                # its exit code stays unknown (None) and the kernel reaps it whenever it wakes.
+                self.say(f"process {i} (pid {p.pid}) still alive {KILL_WAIT_S:g} s after SIGKILL "
+                         "(uninterruptible sleep?): going on without it")
         self._join_output()
 
     def _join_output(self) -> None:
+        # The pipes close when the processes are gone. One deadline for all: the threads of a process
+        # that outlived SIGKILL never end, and must not hold the launcher 5 s each.
+        deadline = time.monotonic() + 5.0
         for t in self._threads:
-            t.join(timeout=5.0)  # the pipes close when the processes are gone
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _wait(self) -> list[Exit] | None:
         """Wait for the job. Returns None when the launcher was signalled; else the exits known when
@@ -341,9 +353,10 @@ class Supervisor:
                 self.say("all processes exited 0")
                 return EXIT_OK
             if isinstance(decision, Stop):
-                self.say(f"process {decision.process} {describe_exit(EXIT_USAGE)} (user error): stopped the others; "
+                what = "a human is needed" if decision.code == EXIT_HUMAN else "user error"
+                self.say(f"process {decision.process} {describe_exit(decision.code)} ({what}): stopped the others; "
                          "not restarting")
-                return EXIT_USAGE
+                return decision.code
             self.history = decision.history
             failure = decision.failure
             reason = f"process {failure.process} {describe_exit(failure.code)}"

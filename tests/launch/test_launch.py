@@ -138,6 +138,57 @@ def test_process_that_ignores_sigterm_is_killed_after_the_grace_period():
     assert code == 1 and "sending SIGKILL" in err and time.monotonic() - t < 20
 
 
+def test_a_process_that_needs_a_human_stops_the_job_with_78_and_is_never_restarted(tmp_path):
+    """Exit 78 (the rollback budget is spent, ...) is treated like 2: a restart would hit the same wall."""
+    code, _, err = supervise(fake("""
+        if PID == 1:
+            sys.exit(78)
+        time.sleep(60)
+    """), max_restarts=3, output_dir=tmp_path, grace_period_s=0.5)
+    assert code == 78 and "(a human is needed): stopped the others; not restarting" in err, err
+    assert "restarting the job" not in err and not (tmp_path / "events.jsonl").exists()
+
+
+def test_a_process_sigkill_cannot_end_is_reported_and_the_launcher_goes_on(monkeypatch):
+    """A child in uninterruptible sleep (D state) outlives SIGKILL: the launcher must not wait for it forever.
+    Played by a child that ignores SIGTERM and a launcher whose SIGKILL does not reach it."""
+    import jaxtrain.launch.supervisor as supervisor_module
+
+    real_killpg, spared = os.killpg, []
+
+    def killpg(pgid: int, sig: int) -> None:
+        if sig == signal.SIGKILL and pgid in spared:
+            return  # the process "does not die"
+        real_killpg(pgid, sig)
+
+    monkeypatch.setattr(supervisor_module, "KILL_WAIT_S", 0.5)
+    monkeypatch.setattr(supervisor_module.os, "killpg", killpg)
+    command = fake("""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if PID == 1:
+            time.sleep(0.5)
+            sys.exit(1)
+        time.sleep(60)
+    """)
+    supervisor = Supervisor(command, 2, max_restarts=0, grace_period_s=0.3, out=io.StringIO(), err=io.StringIO())
+    original_start = supervisor._start
+
+    def start(attempt: int, port: int) -> None:
+        original_start(attempt, port)
+        spared.append(supervisor._procs[0].pid)
+
+    supervisor._start = start
+    t = time.monotonic()
+    try:
+        code = supervisor.run()
+    finally:
+        for pid in spared:
+            real_killpg(pid, signal.SIGKILL)
+    err = supervisor.err.getvalue()
+    assert code == 1 and time.monotonic() - t < 15, err
+    assert "process 0 (pid " in err and "still alive 0.5 s after SIGKILL" in err, err
+
+
 def test_the_first_process_to_exit_is_blamed_not_the_lowest_numbered(tmp_path):
     # Process 1 crashes; process 0 notices (a broken collective) and fails a moment later, within
     # one poll interval of the launcher: the restart event must name process 1.

@@ -19,7 +19,7 @@ import pytest
 from jaxtrain import cli
 from jaxtrain.launch.policy import (Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits, Restart, Stop,
                                     blame, blamed_process, decide, exit_after_signal, exit_status, first_failure,
-                                    slurm_restart)
+                                    made_progress, slurm_restart)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/tiny.yaml"
@@ -133,6 +133,31 @@ def test_slurm_restart(done, allowed, left, minimum, requeues, max_requeues, wan
     assert slurm_restart(done, allowed, left, minimum, requeues, max_requeues) == want
 
 
+@pytest.mark.parametrize("restored_before, saved_after, want", [
+    (-1, -1, False),   # started fresh, saved nothing: a crash before the first checkpoint
+    (-1, 0, True),     # started fresh, saved step 0 (or later)
+    (20, -1, False),   # resumed from 20, saved nothing (a crash loop a few steps after the checkpoint)
+    (20, 20, False),   # resumed from 20 and "saved" 20 again: nowhere
+    (20, 21, True),    # an emergency checkpoint at the time limit / preemption
+    (20, 30, True),
+])
+def test_made_progress(restored_before, saved_after, want):
+    assert made_progress(restored_before, saved_after) is want
+
+
+@pytest.mark.parametrize("done, allowed, left, minimum, requeues, max_requeues, want", [
+    (2, 2, 10_000, 600, 3, 3, "restart"),   # budgets spent, but the attempt made progress: not counted
+    (2, 2, 300, 600, 3, 3, "requeue"),      # the time-limit SIGTERM after an emergency save: a free requeue
+    (0, 0, 300, 600, 0, 1, "requeue"),      # MAX_REQUEUES=1, 0 counted
+    (0, 2, 10_000, 600, 0, 0, "restart"),
+    (0, 0, 10_000, 600, 0, 1, "requeue"),   # a budget of 0 (STEP_RESTARTS=0) still turns step restarts off
+    (0, 0, 300, 600, 0, 0, None),           # ... and MAX_REQUEUES=0 requeues
+
+])
+def test_slurm_restart_after_progress_spends_no_budget(done, allowed, left, minimum, requeues, max_requeues, want):
+    assert slurm_restart(done, allowed, left, minimum, requeues, max_requeues, progress=True) == want
+
+
 # ----------------------------------------------------------------------------- one decision
 
 LAUNCH = Limits(restarts_left=3)  # `jaxtrain launch --max-restarts 3`, no isolation
@@ -145,6 +170,12 @@ ISOLATE_2 = Limits(restarts_left=3, isolate_after=2)
     # a 2 -> stop, never restart: even with restarts left, and even when it was not the first to fail
     (attempt((1, 2)), History(), LAUNCH, "stop", 2, None),
     (attempt((0, 1), (1, 2)), History((0,)), ISOLATE_2, "stop", 2, None),
+    # a 78 ("a human is needed": the rollback budget is spent) -> stop with 78, like a 2; a 2 wins
+    (attempt((1, 78)), History(), LAUNCH, "stop", 78, None),
+    (attempt((0, 1), (1, 78)), History((0,)), ISOLATE_2, "stop", 78, None),
+    (attempt((0, 78), (1, 2)), History(), LAUNCH, "stop", 2, None),
+    (attempt((0, 78), (1, 137), code=137, slots=("a", "b")), History(), LAUNCH, "stop", 78, None),  # srun: 137
+    (attempt(code=78, slots=()), History(), LAUNCH, "stop", 78, None),
     # 75, a crash, a signal -> restart while restarts are left
     (attempt((0, 75)), History(), LAUNCH, "restart", None, 0),
     (attempt((1, 1), (0, 3)), History(), LAUNCH, "restart", None, 1),
@@ -339,6 +370,50 @@ def test_decide_done_stop_requeue_give_up(capsys, job, rc, lines, limits, want, 
     code, out, err = recovery(capsys, *job(rc, *lines, **limits))
     assert (code, out) == (0, f"{want}\n") and said in err
     assert (job.state / "failed_nodes").exists() == (want not in ("done", "stop"))
+
+
+def test_decide_stops_with_78_when_a_human_is_needed(capsys, job):
+    # A task's 78 (the rollback budget is spent) with its peer SIGKILLed by the wrapper: srun says 137.
+    code, out, err = recovery(capsys, *job(137, "1.0 0 node-a 78", "2.0 1 node-b 137"))
+    assert (code, out) == (0, "stop 78\n") and "a human is needed (exit 78), not restarted" in err
+    assert not (job.state / "failed_nodes").exists()
+
+
+def events_line(kind: str, step: int, time: float, **details) -> str:
+    return json.dumps({"time": time, "step": step, "kind": kind, **details}) + "\n"
+
+
+@pytest.mark.parametrize("events, limits, want, said", [
+    # the time limit's SIGTERM: resumed from 20, saved an emergency checkpoint at 37, exit 75; MAX_REQUEUES=0
+    ([("resume", 20, {"restored_step": 20}), ("checkpoint_saved", 37, {}), ("preempted", 37, {})],
+     {"time_left_s": 60, "min_time_left_s": 600, "requeues_done": 1}, "requeue free",
+     "requeueing (not counted: the attempt saved step 37, past the step 20 it resumed from; 1 of 1 requeues "
+     "counted)"),
+    # step restarts spent, but the attempt saved past its start: one more, not counted
+    ([("resume", 20, {"restored_step": 20}), ("checkpoint_saved", 30, {})], {"step_restarts_done": 2},
+     "restart free", "(not counted: the attempt saved step 30, past the step 20 it resumed from; 2 of 2 step"),
+    # a crash loop a few steps after the same checkpoint: logs new steps, saves nothing -> counted
+    ([("resume", 20, {"restored_step": 20}), ("checkpoint_skipped", 25, {})], {"time_left_s": 60,
+     "min_time_left_s": 600}, "requeue", "requeueing (requeue 1 of 1)"),
+    ([("resume", 20, {"restored_step": 20}), ("checkpoint_saved", 20, {})], {"step_restarts_done": 2,
+     "max_requeues": 0}, "give-up", "no restarts or requeues left"),
+])
+def test_decide_counts_only_attempts_that_made_no_progress(capsys, job, events, limits, want, said):
+    (job.run / "events.jsonl").write_text(
+        events_line("checkpoint_saved", 50, 10.0)  # older than the attempt: not its progress
+        + "".join(events_line(kind, step, 101.0 + i, **details) for i, (kind, step, details) in enumerate(events)))
+    code, out, err = recovery(capsys, *job(75, "110.0 0 node-a 75", "110.0 1 node-b 75", started=100.0, **limits))
+    assert (code, out) == (0, f"{want}\n") and said in err, err
+    restored, saved = events[0][1], max([s for k, s, _ in events if k == "checkpoint_saved"], default=-1)
+    assert (job.state / "progress").read_text() == f"0 {restored} {saved}\n"
+
+
+def test_decide_without_a_resume_event_compares_with_the_previous_attempt(capsys, job):
+    (job.state / "progress").write_text("0 -1 40\n")  # attempt 0 saved step 40
+    (job.run / "events.jsonl").write_text(events_line("checkpoint_saved", 40, 150.0))  # attempt 1: 40 again
+    code, out, err = recovery(capsys, *job(1, "160.0 1 node-b 1", started=100.0, step_restarts_done=2))
+    assert (code, out) == (0, "requeue\n") and "requeueing (requeue 1 of 1)" in err
+    assert (job.state / "progress").read_text().splitlines()[-1] == "0 40 40"
 
 
 def test_decide_cannot_leave_a_node_out_of_one_node_or_without_a_smaller_job(capsys, job):

@@ -329,11 +329,13 @@ def test_a_rollback_that_died_before_discarding_is_completed_at_the_next_start(t
 
 
 @pytest.mark.slow
-def test_spikes_after_the_last_allowed_rollback_stop_the_run_with_exit_75(tmp_path):
+def test_spikes_after_the_last_allowed_rollback_stop_the_run_with_exit_78(tmp_path):
+    # 78 ("stop, a human is needed"), no longer 75: a restart would only hit the same spikes again.
     out = tmp_path / "run"
     r = train(out, "stability.max_rollbacks=0")
-    assert r.returncode == 75 and "stability.max_rollbacks=0" in r.stderr, r.stderr[-3000:]
-    assert read_jsonl(out / "events.jsonl")[-1]["kind"] == "rollback_limit"
+    assert r.returncode == 78 and "stability.max_rollbacks=0" in r.stderr, r.stderr[-3000:]
+    last = read_jsonl(out / "events.jsonl")[-1]
+    assert last["kind"] == "rollback_limit" and last["exit_code"] == 78
 
 
 # ----------------------------------------------------------------------------- config
