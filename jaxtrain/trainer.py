@@ -99,7 +99,7 @@ class Trainer:
         self.cfg = cfg
         self._started_at = started_at if started_at is not None else time.time()
         # Before the first jit: a restarted run loads its compiled step instead of recompiling.
-        enable_compilation_cache(cfg.checkpoint.compilation_cache_dir)
+        enable_compilation_cache(cfg.checkpoint.compilation_cache_dir, cfg.run.output_dir if write_files else None)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         devices = list(devices) if devices is not None else jax.devices()
         # Phase-2 validation: needs the devices and processes, runs before anything is written.
@@ -175,7 +175,7 @@ class Trainer:
         self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
         record = RollbackLog(checkpoint_dir, primary=self.process_index == 0,
                              agree=self.checkpointer.agree) if write_files else None
-        self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self._event)
+        self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self._event, guard=self.guard)
         self.rollbacks.finish_interrupted()
         self.resumed_from: int | None = None
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
@@ -272,6 +272,7 @@ class Trainer:
             t = time.perf_counter()
             record["eval_loss"] = self.evaluator.result(pending.evaluation)
             record["eval_s"] = pending.eval_s + time.perf_counter() - t  # queueing it + waiting for it
+            record["eval_dispatch_s"] = pending.eval_s  # the queueing part, inside step_time_s (goodput)
             self.throughput.exclude(pending.step)  # evaluation time is not step time
         return record
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import itertools
+import collections
 import json
 import os
 import threading
@@ -24,6 +25,73 @@ from jaxtrain.checkpoint.storage import check_access, split_url
 from jaxtrain.config import CheckpointConfig, ConfigError
 
 EventFn = Callable[..., None]  # on_event(kind: str, step: int, **details)
+
+# How long wait() lets queued retention deletions finish. Bounded: a run that ends (or is
+# preempted) should not wait long for garbage; what is left is deleted by the next run's retention.
+DELETION_DRAIN_S = 120.0
+
+
+def _delete_step(folder: epath.Path) -> None:
+    """Delete one checkpoint folder: its commit marker first, so a crash halfway leaves an
+    invisible folder, never a half-deleted one that looks committed; then the bulk (on an object
+    store, thousands of objects: this is why it runs on the deletion queue, off the save path)."""
+    if (folder / MARKER).exists():
+        (folder / MARKER).unlink()
+    if folder.exists():
+        folder.rmtree()
+
+
+class _Deleter:
+    """A single background worker that deletes retired checkpoint folders in the order queued.
+
+    Saves never join it: on object storage a deletion is thousands of requests, and the next save
+    (the emergency save in a 120-180 s grace period included) must not wait for it. `wait_idle`
+    is for the few callers that must (wait(), discard_after, re-saving a step being deleted).
+    """
+
+    def __init__(self, on_error: Callable[[int, BaseException], None]):
+        self._on_error = on_error
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[int, epath.Path]] = collections.deque()
+        self._busy: set[int] = set()  # queued or being deleted
+        self._thread: Optional[threading.Thread] = None
+
+    def pending(self) -> set[int]:
+        with self._cond:
+            return set(self._busy)
+
+    def submit(self, step: int, folder: epath.Path) -> None:
+        with self._cond:
+            if step in self._busy:
+                return
+            self._busy.add(step)
+            self._queue.append((step, folder))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="jaxtrain-retention", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    return
+                step, folder = self._queue[0]
+            try:
+                _delete_step(folder)
+            except BaseException as e:  # noqa: BLE001 - reported; the next retention tries again
+                self._on_error(step, e)
+            with self._cond:
+                self._queue.popleft()
+                self._busy.discard(step)
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: Optional[float] = None, step: Optional[int] = None) -> bool:
+        """Block until nothing (or `step`, if given) is pending, or `timeout_s` passed; True if so."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._busy if step is None else step not in self._busy,
+                                       timeout=timeout_s)
 
 
 class CheckpointError(RuntimeError):
@@ -169,6 +237,11 @@ class Checkpointer:
         self._inflight: Optional[int] = None
         self._damaged_reported: set[int] = set()
         self._last_save_time = time.monotonic()
+        # Retention: decided by process 0 alone (in the commit thread, after the marker), carried
+        # out by the deletion queue. `_pin_before` is set by the rollback guard (pin_before).
+        self._deleter = _Deleter(lambda step, e: self._emit("checkpoint_delete_failed", step,
+                                                             error=f"{type(e).__name__}: {e}"))
+        self._pin_before: Optional[int] = None
         # An object store has no atomic folder rename: there Orbax writes in place and finishes
         # with commit_success.txt (its default on gs://, made explicit for s3://). Our commit.json
         # comes after either way, so what counts as committed is the same everywhere.
@@ -327,11 +400,26 @@ class Checkpointer:
         """True while a save is still being written in the background (no collective)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is committed on every process."""
+    def wait(self, deletions_s: float = DELETION_DRAIN_S) -> None:
+        """Block until the save in flight (if any) is committed on every process, then give the
+        retention deletions it queued up to `deletions_s` to finish (process 0 deletes; others
+        have nothing queued). Leftovers are harmless: the next retention deletes them."""
         self._join()
         self._barrier("wait")
+        self._deleter.wait_idle(deletions_s)
         self._drain_events()
+
+    def pin_before(self, step: Optional[int]) -> None:
+        """Keep the newest committed checkpoint older than `step` from retention (None: unpin).
+
+        The rollback guard pins for the oldest spike still in its window: a rollback would go
+        back to exactly that checkpoint (`latest_step(before=first spike)`), and keep_last alone
+        would delete it once enough newer checkpoints are saved. No collective call: every
+        process's guard sees the same replicated flags and pins alike, and only process 0's pin
+        is read, by process 0's retention decision.
+        """
+        with self._lock:
+            self._pin_before = None if step is None else int(step)
 
     def latest_step(self, before: Optional[int] = None) -> Optional[int]:
         """The newest good (committed, intact) checkpoint's step, or None.
@@ -347,7 +435,9 @@ class Checkpointer:
                 self._damaged_reported.add(step)
                 self._emit("checkpoint_damaged", step, reason=reason, path=os.fspath(self.directory / str(step)))
 
-        skip = self._inflight if self.busy else None  # its folder may exist before its marker
+        # The save in flight (its folder may exist before its marker) and folders being deleted
+        # (their marker may already be gone) are neither candidates nor "damaged".
+        skip = ({self._inflight} if self.busy else set()) | self._deleter.pending()
         value = self._agree(f"latest {before}", lambda: str(latest_good(self.directory, skip, report, before)))
         self._drain_events()
         return None if value == "None" else int(value)
@@ -366,6 +456,7 @@ class Checkpointer:
           The steps deleted (process 0's answer, the same on every process).
         """
         self._join()
+        self._deleter.wait_idle()  # nothing of the queue may delete a folder under our hands
         self._drain_events()
 
         def discard() -> str:
@@ -377,9 +468,7 @@ class Checkpointer:
                     meta = check_checkpoint(folder)[2] if not tmp else None
                     if meta is None or meta.get("unix_time", 0) >= committed_before:
                         continue
-                if (folder / MARKER).exists():
-                    (folder / MARKER).unlink()
-                folder.rmtree()
+                _delete_step(folder)
                 deleted.append(s)
             return json.dumps(deleted)
 
@@ -414,7 +503,7 @@ class Checkpointer:
         return out["state"], dict(out["extra"] or {})
 
     def close(self) -> None:
-        """Wait for the save in flight, then release Orbax's threads."""
+        """Wait for the save in flight (and, bounded, its deletions), then release Orbax's threads."""
         self.wait()
         self._orbax.close()
 
@@ -437,6 +526,9 @@ class Checkpointer:
         """
         if is_local(os.fspath(self.directory)):
             os.makedirs(os.fspath(self.directory), exist_ok=True)
+        # A step being deleted (re-saved after a rollback went back past it): let that finish
+        # first, so the deletion cannot remove the files of the new write. Rare; bounded.
+        self._deleter.wait_idle(self.timeout_s, step=step)
         if check_checkpoint(folder)[0]:
             return "exists"
         for s, p, _ in scan(self.directory):
@@ -470,20 +562,28 @@ class Checkpointer:
             self._emit("checkpoint_failed", step, error=f"{type(e).__name__}: {e}")
 
     def _retention(self, newest: int) -> list[int]:
-        """Delete what keep_last / keep_every do not keep. Runs right after `newest` committed,
-        so the newest good checkpoint is always kept; nothing at or after `newest` is touched."""
+        """Decide what keep_last / keep_every / the rollback pin do not keep and queue it for
+        deletion (process 0, in the commit thread, right after `newest` committed; the deletion
+        itself runs on the queue, off the next save's path). The newest good checkpoint is always
+        kept and nothing at or after `newest` is touched (a later save may be writing there).
+
+        Returns the steps queued for deletion (in the checkpoint_saved event)."""
         entries = scan(self.directory)
-        committed = [s for s, p, tmp in entries if not tmp and (p / MARKER).exists()]
+        doomed = self._deleter.pending()  # already queued: their markers may still exist
+        committed = [s for s, p, tmp in entries if not tmp and s not in doomed and s <= newest
+                     and (p / MARKER).exists()]
         keep = {newest} | set(committed[-max(self.cfg.keep_last, 1):])
         if self.cfg.keep_every > 0:
             keep |= {s for s in committed if s % self.cfg.keep_every == 0}
+        with self._lock:
+            pin = self._pin_before
+        if pin is not None:  # the checkpoint a pending rollback would go back to
+            keep |= set([s for s in committed if s < pin][-1:])
         deleted = []
         for s, p, tmp in entries:
-            if s >= newest or (s in keep and not tmp):
+            if s >= newest or (s in keep and not tmp) or s in doomed:
                 continue
-            if (p / MARKER).exists():
-                (p / MARKER).unlink()  # invisible first, then the bulk
-            p.rmtree()
+            self._deleter.submit(s, p)
             deleted.append(s)
         return sorted(set(deleted))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from etils import epath
 
@@ -151,12 +151,13 @@ def check_checkpoint(folder: str | epath.Path) -> tuple[bool, Optional[str], Opt
     return True, None, meta
 
 
-def latest_good(root: epath.Path, skip: Optional[int] = None,
+def latest_good(root: epath.Path, skip: Optional[int | Collection[int]] = None,
                 report: Optional[Callable[[int, str], None]] = None, before: Optional[int] = None) -> Optional[int]:
     """Newest step (below `before`, if given) whose checkpoint verifies; damaged newer ones go to
-    `report(step, reason)`."""
+    `report(step, reason)`. `skip`: steps not to look at (a save in flight, folders being deleted)."""
+    skipped = set() if skip is None else {skip} if isinstance(skip, int) else set(skip)
     for step, folder, tmp in reversed(scan(root)):
-        if tmp or step == skip or (before is not None and step >= before):
+        if tmp or step in skipped or (before is not None and step >= before):
             continue
         good, reason, _ = check_checkpoint(folder)
         if good:

@@ -8,10 +8,10 @@ into parts that add up to the wall time exactly (docs/goodput.md):
     checkpoint_s         training blocked by checkpoint saves (`checkpoint_saved.blocked_s`)
     restart_downtime_s   from a failed attempt's last measured step to the next attempt's process start
                          (detection, stopping the others, relaunch; lost unlogged steps; failed start-ups)
-    hang_s               a hung attempt standing still until the watchdog fired (`hang.stalled_s`)
+    hang_s               an attempt (the last one too) standing still until the watchdog fired (`hang.stalled_s`)
     redone_steps_s       steps computed again after a restore (the first, discarded computation)
     data_wait_s          steps waiting for their batch (`data_wait_s` of metrics lines)
-    eval_s               evaluation (`eval_s` of metrics lines, when the trainer writes it)
+    eval_s               evaluation (`eval_s` of metrics lines; its `eval_dispatch_s` part is taken out of step time)
     skipped_steps_s      steps whose update was not applied (non-finite or spike)
     other_s              what the files do not attribute: the last attempt's tail (final commit wait,
                          shutdown), evaluation without `eval_s`, estimation slack
@@ -157,7 +157,8 @@ def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[Ste
     attempt logs a step it re-does, as with train.log_every=1; otherwise an estimate).
 
     Returns:
-      (entries in file order, evaluation seconds per attempt).
+      (entries in file order, evaluation seconds per attempt, the part of those spent queueing
+      the evaluation (`eval_dispatch_s`: inside the step time of the line whose interval it fell in)).
     """
     # Restore points in event order: each attempt that ran steps starts from its `start` step, and
     # a rollback from its target step.
@@ -173,6 +174,7 @@ def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[Ste
     begins = [a.begin for a in attempts]
     entries: list[StepEntry] = []
     eval_s: dict[int, float] = defaultdict(float)
+    eval_dispatch: dict[int, float] = defaultdict(float)
     pointer, (previous, attempt) = 0, points[0]
     last_skipped: float | None = None
     for line in metrics:
@@ -208,13 +210,15 @@ def step_entries(metrics: list[dict], attempts: list[Attempt]) -> tuple[list[Ste
         entries += [StepEntry(s, attempt, step_time, min(wait, step_time), skipped) for s in range(previous + 1, step + 1)]
         if isinstance(line.get("eval_s"), (int, float)):
             eval_s[attempt] += float(line["eval_s"])
+            if isinstance(line.get("eval_dispatch_s"), (int, float)):
+                eval_dispatch[attempt] += min(float(line["eval_dispatch_s"]), float(line["eval_s"]))
         previous = step
     latest: dict[int, StepEntry] = {}
     for entry in entries:
         if entry.step in latest:
             latest[entry.step].kept = False
         latest[entry.step] = entry
-    return entries, eval_s
+    return entries, eval_s, eval_dispatch
 
 
 def _straggler_ratio(event: dict) -> float:
@@ -245,7 +249,7 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{run_dir}: no events.jsonl with events (is it a jaxtrain run directory?)")
     metrics = read_jsonl(join(run_dir, "metrics.jsonl"))
     attempts = split_attempts(events)
-    entries, eval_by_attempt = step_entries(metrics, attempts)
+    entries, eval_by_attempt, dispatch_by_attempt = step_entries(metrics, attempts)
     parts = dict.fromkeys(PARTS, 0.0)
     notes: list[str] = []
     for i, a in enumerate(attempts):
@@ -257,13 +261,19 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
         loop = min(measured, window - startup)
         blocked = sum(float(e.get("blocked_s") or 0.0) for e in a.events if e.get("kind") == "checkpoint_saved")
         checkpoint = min(blocked, loop)
-        evaluation = min(eval_by_attempt.get(i, 0.0), window - startup - loop)
-        rest = window - startup - loop - evaluation
+        # Queueing an evaluation (its first compile included) happens inside a step interval, so
+        # it is in `step_time_s` too: taken out of the steps like checkpoint blocking, never booked
+        # twice. The rest of eval_s (waiting for the result) is outside step time (Throughput.exclude).
+        dispatched = min(dispatch_by_attempt.get(i, 0.0), loop - checkpoint)
+        waited = max(0.0, eval_by_attempt.get(i, 0.0) - dispatch_by_attempt.get(i, 0.0))
+        evaluation = dispatched + min(waited, window - startup - loop)
+        rest = window - startup - loop - (evaluation - dispatched)
         parts["startup_s"] += startup
         parts["checkpoint_s"] += checkpoint
         parts["eval_s"] += evaluation
-        # The steps' own time less the checkpoint blocking inside it, shared out by what each step was.
-        factor = (loop - checkpoint) / measured if measured > 0 else 0.0
+        # The steps' own time less the checkpoint blocking and evaluation inside it, shared out by
+        # what each step was.
+        factor = (loop - checkpoint - dispatched) / measured if measured > 0 else 0.0
         for e in mine:
             t = e.time_s * factor
             if not e.kept:
@@ -273,14 +283,16 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
                 wait = e.data_wait_s * factor * (1.0 - e.skipped)
                 parts["data_wait_s"] += wait
                 parts["productive_s"] += t * (1.0 - e.skipped) - wait
+        # A hang is a hang in any attempt, the last one included (a hung job that was never
+        # restarted, or whose restart wrote nothing yet): the watchdog's stalled_s, before the rest.
+        stalled = max((float(e.get("stalled_s") or 0.0) for e in a.events if e.get("kind") == "hang"), default=0.0)
+        hang = min(stalled, rest)
+        parts["hang_s"] += hang
         if last or any(e.get("kind") == "done" for e in a.events):
             # The tail after the last step (final commit wait, shutdown), or idle time before a rerun
             # of a finished run. An attempt that stopped for a restart (crash, preempted, hang) is downtime.
-            parts["other_s"] += rest
+            parts["other_s"] += rest - hang
         else:
-            stalled = max((float(e.get("stalled_s") or 0.0) for e in a.events if e.get("kind") == "hang"), default=0.0)
-            hang = min(stalled, rest)
-            parts["hang_s"] += hang
             parts["restart_downtime_s"] += rest - hang
         if a.begin_source.startswith("estimated"):
             notes.append(f"attempt {i}: process start {a.begin_source} (the `start` event has no `started_at`); "
@@ -289,8 +301,12 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
             notes.append(f"attempt {i}: its metrics lines hold {measured:.2f} s of steps but the attempt lasted "
                          f"{window - startup:.2f} s after start-up; steps were scaled down (lines placed in the wrong "
                          "attempt: metrics lines without `time`)")
-    if metrics and not any("eval_s" in m for m in metrics if "eval_loss" in m) and any("eval_loss" in m for m in metrics):
+    evaluated = [m for m in metrics if "eval_loss" in m]
+    if evaluated and not any("eval_s" in m for m in evaluated):
         notes.append("evaluation time is not in metrics.jsonl (`eval_s`): it is counted in other_s or restart_downtime_s")
+    elif any("eval_s" in m and "eval_dispatch_s" not in m for m in evaluated):
+        notes.append("metrics lines with `eval_s` but no `eval_dispatch_s`: the time spent queueing evaluations "
+                     "(the first one's compile included) counts as step time and is cut from eval_s")
 
     wall = attempts[-1].end - attempts[0].begin
     kept = [e for e in entries if e.kept]

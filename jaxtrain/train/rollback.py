@@ -40,28 +40,44 @@ class SpikeGuard:
         self.cfg = cfg.stability
         self.event = event
         self._spikes: collections.deque[int] = collections.deque()
+        # on_window(oldest spike still in the window, or None): set by Rollbacks to pin the
+        # checkpoint a rollback would need (retention must not delete it while it may be needed).
+        self.on_window: Callable[[int | None], None] | None = None
+        self._told: int | None = None
+        self._request_pin: int | None = None  # a request's first spike, pinned until reset()
+
+    def _tell(self) -> None:
+        oldest = self._request_pin if self._request_pin is not None else (self._spikes[0] if self._spikes else None)
+        if oldest != self._told and self.on_window is not None:
+            self.on_window(oldest)
+        self._told = oldest
 
     def reset(self) -> None:
         """Forget the spikes seen (after a rollback: the steps after the target run again)."""
         self._spikes.clear()
+        self._request_pin = None
+        self._tell()
 
     def observe(self, step: int, values: dict[str, Any]) -> RollbackRequest | None:
         s = self.cfg
+        self._request_pin = None  # a request not acted on (rollback_unavailable) pins no longer
         if values["nonfinite"]:
             self.event("nonfinite_skipped", step, loss=values["loss"], grad_norm=values["grad_norm"],
                        loss_scale=values["loss_scale"], next_loss_scale=values["next_loss_scale"])
-        if not values["spike"]:
-            return None
-        self.event("spike", step, loss=values["loss"], grad_norm=values["grad_norm"], loss_z=values["loss_z"],
-                   grad_norm_z=values["grad_norm_z"], skipped=values["skipped"])
-        self._spikes.append(step)
+        if values["spike"]:
+            self.event("spike", step, loss=values["loss"], grad_norm=values["grad_norm"], loss_z=values["loss_z"],
+                       grad_norm_z=values["grad_norm_z"], skipped=values["skipped"])
+            self._spikes.append(step)
+        # Pruned every step (not only at spikes) so the pin is released as soon as the window passes.
         while self._spikes and self._spikes[0] <= step - s.window:
             self._spikes.popleft()
-        if s.max_spikes > 0 and len(self._spikes) >= s.max_spikes:
+        request = None
+        if values["spike"] and s.max_spikes > 0 and len(self._spikes) >= s.max_spikes:
             request = RollbackRequest(at_step=step, spike_steps=tuple(self._spikes))
+            self._request_pin = self._spikes[0]  # the rollback is planned next: keep its target
             self._spikes.clear()
-            return request
-        return None
+        self._tell()
+        return request
 
 
 class RollbackLog:
@@ -121,9 +137,16 @@ class Rollbacks:
     is logged as `rollback_unavailable` and training goes on.
     """
 
-    def __init__(self, cfg: Config, checkpointer: Any, record: RollbackLog | None, event: Callable[..., None]):
+    def __init__(self, cfg: Config, checkpointer: Any, record: RollbackLog | None, event: Callable[..., None],
+                 guard: SpikeGuard | None = None):
+        """`guard`: the loop's SpikeGuard. While it holds spikes, the newest checkpoint older than
+        the oldest of them is pinned against retention (`Checkpointer.pin_before`): with
+        keep_last=2 and every_steps=10, spikes at 15, 35, 38 need the step-10 checkpoint at 38,
+        which plain retention deleted at step 30."""
         self.cfg, self.checkpointer, self.record, self.event = cfg.stability, checkpointer, record, event
         self._skipped_at: int | None = None  # the step at which rolled-back batches were last skipped
+        if guard is not None and checkpointer is not None and hasattr(checkpointer, "pin_before"):
+            guard.on_window = checkpointer.pin_before
 
     def __len__(self) -> int:
         return len(self.record) if self.record is not None else 0
