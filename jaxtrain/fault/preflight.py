@@ -3,7 +3,7 @@
 Three measurements, each the best of a few timed repetitions after a warm-up:
 1. matmul rate of every local device (a jitted square matmul; the process reports its slowest
    device), the number a slow or throttled accelerator shows. CPU devices of processes on one
-   machine share its cores, so on the CPU the processes take turns (a host barrier between turns):
+   machine share its cores, so on the CPU the processes take turns (a token passed down the processes):
    timed together, each would measure its neighbours' load, not its own devices;
 2. collective bandwidth over each mesh axis of size > 1: an all-reduce and an all-gather, timed
    on the whole job, so a slow network shows as a slow axis;
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.checkpoint.multihost import barrier
+from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client, next_call, wait_key
 from jaxtrain.config import Config
 from jaxtrain.fault.hostcomm import LateAllGather
 
@@ -69,15 +69,58 @@ def _local_matmul_tflops(mesh: Mesh, n: int, repeats: int, slow_s: float, *, in_
     def measure() -> float:
         return min(matmul_tflops(d, n, repeats, slow_s) for d in mesh.local_devices)
 
-    if not in_turns:
+    return take_turns(measure, timeout_s) if in_turns else measure()
+
+
+def take_turns(measure: Callable[[], float], timeout_s: float, *, process_index: int | None = None,
+               process_count: int | None = None, kv: Any = None) -> float:
+    """Run `measure()` on one process at a time, in process order; every process returns its own.
+
+    A token passes down the chain: process k waits for key `turn/k`, measures, sets `turn/k+1` and
+    counts its turn done; the last one's token, `turn/P`, ends the turns for everyone, and a barrier
+    lets process 0 delete what is left. O(1) coordinator calls per process (at most 8, plus one per
+    `timeout_s` spent waiting) and O(P) for the job, no key left behind (formerly a barrier before
+    every turn: P barriers of P^2 reads each, and P^2 keys never deleted). A waiting process gives
+    up only when a whole `timeout_s` passes with no turn finished, so P turns may take longer than
+    `timeout_s` in all; it then names the process holding the turn.
+
+    Args:
+      process_index, process_count, kv: this process, the job's size and the coordination client;
+        jax's own by default (given explicitly by the simulated-scale harness).
+    Raises:
+      BarrierTimeoutError: naming the process whose turn never ended (or the one absent at the end).
+    """
+    count = jax.process_count() if process_count is None else process_count
+    if count == 1:
         return measure()
-    mine = float("nan")
-    for turn in range(jax.process_count()):
-        barrier(f"preflight/matmul/{turn}", timeout_s)
-        if turn == jax.process_index():
-            mine = measure()
-    barrier("preflight/matmul/done", timeout_s)
+    me = jax.process_index() if process_index is None else process_index
+    kv = client() if kv is None else kv
+    run = next_call("take_turns")  # every process takes turns equally often: agreed names
+    prefix = f"jaxtrain/preflight/{run}/"
+    if me > 0:
+        _wait_for_turn(kv, prefix, me, me, timeout_s)
+        kv.key_value_delete(f"{prefix}turn/{me}")  # read by this process only, and only once
+    mine = measure()
+    kv.key_value_set(f"{prefix}turn/{me + 1}", "1")  # the next one's turn; the last one's: the end
+    kv.key_value_increment(f"{prefix}done", 1)  # what the waiting processes read to see progress
+    _wait_for_turn(kv, prefix, count, me, timeout_s)  # every turn is over: all arrive at the barrier together
+    barrier(f"preflight/{run}/matmul/done", timeout_s, process_index=me, process_count=count, kv=kv)
+    if me == 0:
+        kv.key_value_delete(prefix[:-1])  # the end token and the count: everyone has passed the barrier
     return mine
+
+
+def _wait_for_turn(kv: Any, prefix: str, turn: int, me: int, timeout_s: float) -> None:
+    """Wait for token `turn` (`turn` = P: the end); fail once a whole `timeout_s` passed with no turn
+    finished, naming the process that holds the turn."""
+    done_before = 0  # turns finished at the start of the current window (0: none needed to start)
+    while wait_key(kv, f"{prefix}turn/{turn}", timeout_s) is None:
+        done = int(kv.key_value_increment(f"{prefix}done", 0))  # reads the count (an increment by 0)
+        if done <= done_before:
+            raise BarrierTimeoutError(
+                f"preflight turns timed out after {timeout_s:g} s on process {me}: process(es) [{done}] "
+                f"never finished its turn (dead, hung or far behind; see checkpoint.barrier_timeout_s)")
+        done_before = done
 
 
 def axis_bandwidth(mesh: Mesh, axis: str, mbytes: float, repeats: int) -> dict[str, float]:

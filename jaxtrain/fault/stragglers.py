@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import socket
 import statistics
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 from jax.sharding import Mesh
@@ -76,12 +76,31 @@ class Stragglers:
                            factor=round(float(b / median), 2), reports=self.reports[process])
 
 
-def job_hosts(process_index: int, process_count: int, timeout_s: float = 120.0) -> list[str]:
-    """Every process's host name, by process index (one key-value exchange at start-up)."""
-    host = socket.gethostname()
+def job_hosts(process_index: int, process_count: int, timeout_s: float = 120.0, *, kv: Any = None,
+              host: Optional[str] = None) -> list[str]:
+    """Every process's host name, by process index (one key-value exchange at start-up).
+
+    Three coordinator calls per process whatever the job's size: its own host key, one barrier in
+    the coordination service, one read of the host-key directory (formerly P blocking reads each,
+    P^2 for the job). The directory read returns all P names: that table is the result.
+
+    Args:
+      kv: the coordination client (`multihost.client()` by default); host: this process's name
+        (`socket.gethostname()` by default). Both are given by the simulated-scale harness.
+    Raises:
+      BarrierTimeoutError: naming the processes whose host key never came.
+    """
+    host = socket.gethostname() if host is None else host
     if process_count == 1:
         return [host]
-    from jaxtrain.checkpoint.multihost import client
-    kv = client()
-    kv.key_value_set(f"jaxtrain/hosts/{process_index}", host, allow_overwrite=True)
-    return [kv.blocking_key_value_get(f"jaxtrain/hosts/{p}", int(timeout_s * 1000)) for p in range(process_count)]
+    from jaxtrain.checkpoint.multihost import barrier_timeout_error, client, next_call
+    kv = client() if kv is None else kv
+    name = f"hosts/{next_call('job_hosts')}"  # every process calls job_hosts equally often
+    prefix = f"jaxtrain/barrier/{name}/"  # the host keys double as the barrier's arrival keys
+    kv.key_value_set(prefix + str(process_index), host, allow_overwrite=True)
+    try:
+        kv.wait_at_barrier(prefix[:-1], max(1, int(timeout_s * 1000)))
+    except Exception as e:
+        raise barrier_timeout_error(kv, name, prefix, timeout_s, process_index, process_count, e) from None
+    names = {int(k.rsplit("/", 1)[-1]): v for k, v in kv.key_value_dir_get(prefix)}
+    return [names[p] for p in range(process_count)]
