@@ -43,28 +43,63 @@ def _set_cpu_flags(cpu_devices: int | None) -> None:
     os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags())
 
 
-def _start_jax(cpu_devices: int | None) -> None:
+def _start_jax(cpu_devices: int | None, startup_timeout_s: float) -> None:
+    """Configure XLA, then join the job. Joining waits for every process for up to
+    `startup_timeout_s` (fault.startup_timeout_s: the start-up deadline covers distributed init;
+    pods of one job may start minutes apart)."""
     if "jax" not in sys.modules:  # flags are read when the backend starts: too late in a notebook
         _set_cpu_flags(cpu_devices)
     _set_cpu_devices(cpu_devices)
     from jaxtrain.launch import distributed
-    distributed.initialize()
+    distributed.initialize(timeout_s=startup_timeout_s)
 
 
 def _train(argv: list[str]) -> int:
     from jaxtrain.config import load_config
     args = parse(train_parser(), argv)
     cfg = load_config(args.config, args.overrides)  # phase 1, before JAX starts
-    _start_jax(args.cpu_devices)
+    _start_jax(args.cpu_devices, cfg.fault.startup_timeout_s)
     from jaxtrain.trainer import Trainer
     # Progress goes to stdout whatever it is: a terminal gets one line rewritten in place,
     # anything else (SLURM output files, Kubernetes logs, CI, `| tee`) one plain line per log step.
     trainer = Trainer(cfg, console=sys.stdout, started_at=_STARTED_AT)
     try:
         summary = trainer.fit()
-    finally:
-        trainer.close()
+    except BaseException as e:
+        # No barrier after an error: the other processes may be stuck in a collective waiting for
+        # this one, and close() would wait out checkpoint.barrier_timeout_s, then hide the cause.
+        trainer.abort()
+        if trainer.process_count > 1:
+            _exit_now(_report_failure(e))
+        raise  # one process: main() maps it (2, 75, 130) or Python prints it and exits 1
+    trainer.close()
     return summary["exit_code"]
+
+
+def _report_failure(e: BaseException) -> int:
+    """Print why the run failed (the traceback, or one line for a user error) and return the exit code:
+    2 for a user error, 75 for a known transient error, 130 for an interrupt, else 1."""
+    if isinstance(e, ConfigError):
+        print(f"jaxtrain: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(e, KeyboardInterrupt):
+        print("jaxtrain: interrupted", file=sys.stderr)
+        return 130
+    import traceback
+    traceback.print_exception(e, file=sys.stderr)
+    if isinstance(e, TransientStorageError):
+        print(f"jaxtrain: storage unavailable (transient), restart me: {e}", file=sys.stderr)
+        return EXIT_RESTART
+    print(f"jaxtrain: process failed: {type(e).__name__}: {e}; exiting 1 at once", file=sys.stderr)
+    return 1
+
+
+def _exit_now(code: int) -> None:
+    """End a failing process of a multi-process job now: no atexit handlers (jax.distributed's
+    shutdown waits for every process), no joins of non-daemon threads."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _inspect(argv: list[str]) -> int:
@@ -76,7 +111,7 @@ def _inspect(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parse(p, argv)
     cfg = load_config(args.config, args.overrides)
-    _start_jax(args.cpu_devices)
+    _start_jax(args.cpu_devices, cfg.fault.startup_timeout_s)
     from jaxtrain.observe.inspection import format_report, inspect_report
     report = inspect_report(cfg)
     print(json.dumps(report) if args.json else format_report(report, per_parameter=args.parameters))
@@ -92,7 +127,7 @@ def _preflight(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parse(p, argv)
     cfg = load_config(args.config, args.overrides)
-    _start_jax(args.cpu_devices)
+    _start_jax(args.cpu_devices, cfg.fault.startup_timeout_s)
     import jax
 
     from jaxtrain.fault.preflight import run_preflight

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -38,7 +39,7 @@ from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
 from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.fault.chaos import Chaos
-from jaxtrain.fault.preemption import HostSync, StopSignals
+from jaxtrain.fault.preemption import HostSync, StopSignals, agree_on_startup_stop
 from jaxtrain.fault.preflight import run_preflight
 from jaxtrain.fault.stragglers import Stragglers, job_hosts
 from jaxtrain.fault.watchdog import Watchdog
@@ -66,6 +67,10 @@ def check_run_paths(cfg: Config) -> None:
     if cfg.checkpoint.init_from:
         check_access(cfg.checkpoint.init_from, key="checkpoint.init_from")
 
+
+# After an exception in a multi-process job, how long abort() gives this process's own cleanup
+# before it exits anyway (what is left is a write nobody could commit: it needs the other processes).
+ABORT_GRACE_S = 1.0
 
 # Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
 RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z")
@@ -96,6 +101,18 @@ class Trainer:
         Raises:
           ConfigError: anything the user can fix; raised before anything is written.
         """
+        # First of all: a SIGTERM during start-up (restore, preflight, the first compile) must be
+        # read, not taken by JAX's own handler and lost (fit() acts on it before the first step).
+        self.signals = StopSignals().install()
+        try:
+            self._build(cfg, console=console, write_files=write_files, devices=devices, started_at=started_at)
+        except BaseException:
+            self.signals.restore()
+            raise
+
+    def _build(self, cfg: Config, *, console: IO[str] | None, write_files: bool, devices: list[jax.Device] | None,
+               started_at: float | None) -> None:
+        """The construction proper (see __init__), with the signal handlers already ours."""
         self.cfg = cfg
         self._started_at = started_at if started_at is not None else time.time()
         # Before the first jit: a restarted run loads its compiled step instead of recompiling.
@@ -153,7 +170,6 @@ class Trainer:
         self.throughput = Throughput(flops_per_step(cfg), self.peak_flops, self.mesh.size, self._host_step)
         self.profiler = StepProfiler(cfg.train.profile_steps, join(self.output_dir, "profile"), cfg.train.steps,
                                      enabled=self.process_index == 0 and write_files)
-        self.signals = StopSignals()
         self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
                                      self._event)
         self._blocked_s = 0.0  # this iteration's time blocked on the device (straggler accounting)
@@ -161,6 +177,7 @@ class Trainer:
         self._fit_start = self._host_step
         self.watchdog.beat(self._host_step, "idle")  # built: no deadline until fit() runs
         self._stop_details: dict = {}  # what the event of an early stop says besides its kind
+        self._startup_syncs = 0  # start-up stop agreements made so far (each needs its own keys)
         self.host_sync = HostSync(self.mesh, cfg.train.host_sync_every, self.process_count)
         self._pending: _Pending | None = None
 
@@ -287,7 +304,13 @@ class Trainer:
         return request
 
     def step(self) -> dict:
-        """Run one step and return its metrics (synchronous: for notebooks and tests)."""
+        """Run one step and return its metrics (synchronous: for notebooks and tests).
+
+        The Trainer holds SIGINT/SIGTERM from its construction on (see __init__), so outside fit()
+        a pending stop request interrupts here, as Ctrl-C would have."""
+        if self.signals.requested is not None:
+            self.signals.requested = None
+            raise KeyboardInterrupt
         self._observe(self._take_pending())
         self._skip_rolled_back_batches()
         self.throughput.restart(self._host_step)
@@ -321,11 +344,13 @@ class Trainer:
             self.watchdog.beat(self._host_step, "idle")  # also after an exception: no deadline outside fit()
 
     def _fit(self) -> dict:
-        if not self._preflight():
+        if self._stop_before_first_step() or not self._preflight():
             return {"step": self._host_step, "exit_code": EXIT_RESTART}
         self.watchdog.beat(self._host_step, "startup")  # compile and first step: the start-up deadline
         if self.compiled_step is None:
             self._compile()
+        if self._stop_before_first_step():  # a signal during preflight or the first compile
+            return {"step": self._host_step, "exit_code": EXIT_RESTART}
         self._log_start()
         stop: str | None = None  # why the loop ends early: "preempted" or "rollback_limit"
         with self.signals:
@@ -377,6 +402,26 @@ class Trainer:
         self.stragglers.after_step(step, wall - self._blocked_s, self._pending.data_wait_s, wall)
         return "preempted" if decision.stop else None
 
+    def _stop_before_first_step(self) -> bool:
+        """A start-up sync point: True when some process was asked to stop (SIGTERM/SIGINT since the
+        Trainer's construction began, or JAX's preemption notice before that); then `signal` and
+        `preempted` are logged and fit() returns 75 at once. Nothing needs saving: no step has run
+        since the restore (or the init). Every process reaches the same answer (a key-value
+        agreement, see `preemption.agree_on_startup_stop`); at start-up only, never in the loop."""
+        self._startup_syncs += 1
+        with self.watchdog.phase("startup"):
+            asked = agree_on_startup_stop(self.signals.requested, self.process_index, self.process_count,
+                                          name=f"{self._startup_syncs}", timeout_s=self.cfg.fault.startup_timeout_s)
+        if not asked:
+            return False
+        self.signals.reported = True
+        self.log.event("signal", self._host_step, signal=next(iter(asked.values())), processes=sorted(asked),
+                       before_first_step=True)
+        self.log.event("preempted", self._host_step, exit_code=EXIT_RESTART, before_first_step=True)
+        print(f"jaxtrain: asked to stop during start-up ({', '.join(f'process {p}: {v}' for p, v in asked.items())}); "
+              "exiting 75 before the first step", file=sys.stderr, flush=True)
+        return True
+
     def _preflight(self) -> bool:
         """The health check of a multi-process job (fault.preflight); False: stop (exit 75)."""
         if not (self.cfg.fault.preflight and self.process_count > 1):
@@ -409,7 +454,7 @@ class Trainer:
 
     def _roll_back(self, request: RollbackRequest) -> bool:
         """Restore the last committed checkpoint before the first spike (rollback.Rollbacks decides
-        which and discards the newer ones). False when stability.max_rollbacks is spent (exit 75)."""
+        which and discards the newer ones). False when stability.max_rollbacks is spent (exit 78)."""
         try:
             plan = self.rollbacks.plan(request)
         except RollbackLimit as e:
@@ -454,7 +499,10 @@ class Trainer:
         self.checkpointer.wait()
 
     def close(self) -> None:
-        """Wait for the checkpoint in flight, stop the data threads and the watchdog, close the logs."""
+        """Wait for the checkpoint in flight, stop the data threads and the watchdog, close the logs.
+
+        Only after a normal end: its barriers wait for every process. After an exception, abort()."""
+        self.signals.restore()
         self.watchdog.stop()
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -463,6 +511,42 @@ class Trainer:
             self.data.close()
         if self.log is not None:
             self.log.close()
+
+    def abort(self, grace_s: float = ABORT_GRACE_S) -> None:
+        """Release this process's resources after an exception, waiting for no other process.
+
+        The others may be blocked in a device collective waiting for this one: close()'s barriers
+        would wait out checkpoint.barrier_timeout_s (with no watchdog) and then fail naming a
+        healthy process, hiding the real error. Here the checkpointer takes its failing exit (no
+        barrier; the write in flight may finish), the data threads and the logs are closed. With
+        several processes all of it runs in a daemon thread given `grace_s`, so that nothing in it
+        can keep a failing process alive; a single process has no peer to wait for and finishes
+        its save in flight (committed: its barriers are no-ops). Never raises."""
+        self.signals.restore()
+        multi = self.process_count > 1
+
+        def release() -> None:
+            try:
+                checkpointer, self.checkpointer = self.checkpointer, None
+                if checkpointer is not None and multi:
+                    checkpointer.__exit__(RuntimeError, None, None)  # its failing exit: no barrier
+                elif checkpointer is not None:
+                    checkpointer.close()
+                if hasattr(self.data, "close"):
+                    self.data.close()
+                if self.log is not None:
+                    self.log.close()
+            except BaseException as e:  # noqa: BLE001 -- the error being handled is the one to report
+                print(f"jaxtrain: cleanup after the error failed too: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
+
+        if not multi:
+            release()
+        else:
+            t = threading.Thread(target=release, name="jaxtrain-abort", daemon=True)
+            t.start()
+            t.join(grace_s)
+        self.watchdog.stop()
 
 
 def _plain(x: Any) -> Any:

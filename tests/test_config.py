@@ -180,3 +180,31 @@ def test_cpu_runs_get_the_fast_xla_cpu_flags_unless_the_user_set_them(monkeypatc
     monkeypatch.setenv("XLA_FLAGS", "")
     cli._set_cpu_flags(cpu_devices=2)
     assert YNN_FUSIONS in os.environ["XLA_FLAGS"].split()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # The markov source evaluates on its own held-out stream: a data.eval path would be ignored.
+    (["data.eval=/data/held_out.bin"], "data.eval='/data/held_out.bin' is for the tokens and text sources"),
+    # Retention never deletes the newest good checkpoint: 0 would silently keep one.
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 is not supported"),
+    (["chaos.raise_process=-1"], "config key 'chaos.raise_process' must be >= 0, got -1"),
+])
+def test_settings_that_would_be_silently_ignored_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_refused_setting_is_one_line_exit_2_and_nothing_written(tmp_path):
+    run = tmp_path / "run"
+    r = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), "checkpoint.keep_last=0",
+                 f"run.output_dir={run}", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "checkpoint.keep_last=0" in r.stderr and not run.exists()
+
+
+def test_chaos_raise_process_must_name_a_process_of_the_job():
+    from jaxtrain.parallel.mesh import validate_against_devices
+    cfg = load_config(REPO / "configs/tiny.yaml", ["chaos.raise_at_step=3", "chaos.raise_process=1"])
+    with pytest.raises(ConfigError, match="chaos.raise_process=1 names no process of this job"):
+        validate_against_devices(cfg, 1, 1)

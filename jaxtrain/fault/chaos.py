@@ -44,6 +44,8 @@ class Chaos:
         collectives at different times. A bad node (`chaos.crash_process`, `crash_at_step=0`) crashes here."""
         c = self.cfg
         if c.start_delay_s > 0 and self.process_index == c.slow_process:
+            print(f"jaxtrain: chaos.start_delay_s: process {self.process_index} starts {c.start_delay_s:g} s late",
+                  file=sys.stderr, flush=True)  # also what tests wait for to signal a process in start-up
             time.sleep(c.start_delay_s)
         if self.crashes and c.crash_at_step == 0:
             self._crash(0)
@@ -84,6 +86,13 @@ class Chaos:
             os.kill(os.getpid(), signal.SIGKILL)  # die without any cleanup
         if c.slow_seconds > 0 and self.process_index == c.slow_process:
             time.sleep(c.slow_seconds)  # a straggler: same numerics, later
+        if self.armed and step == c.raise_at_step and self.process_index == c.raise_process:
+            # A bug or a failed call in the loop, while the other processes go on into the next
+            # step's collectives: the error must reach the log and the process must end at once.
+            self.event("chaos", step, drill="raise", process=self.process_index)
+            print(f"jaxtrain: chaos.raise_at_step: process {self.process_index} raises at step {step}",
+                  file=sys.stderr, flush=True)
+            raise RuntimeError(f"chaos.raise_at_step: injected error on process {self.process_index} at step {step}")
         if self.armed and step == c.hang_at_step and self.process_index == c.hang_process:
             jax.block_until_ready(state)
             self.event("chaos", step, drill="hang", process=self.process_index)

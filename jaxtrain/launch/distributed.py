@@ -12,11 +12,13 @@ On the CPU the cross-process collectives use gloo.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
 
 from jaxtrain import env
+from jaxtrain.config import FaultConfig
 from jaxtrain.xla_cpu import has_accelerator_hint
 
 
@@ -39,17 +41,23 @@ def _autodetected_cluster() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ and int(os.environ["OMPI_COMM_WORLD_SIZE"]) > 1
 
 
-def initialize(timeout_s: int = 300) -> None:
-    """Join the job if this process is part of one. Must run before any JAX computation."""
+def initialize(timeout_s: float = FaultConfig.startup_timeout_s) -> None:
+    """Join the job if this process is part of one. Must run before any JAX computation.
+
+    `timeout_s`: how long to wait for every process to join, which is part of start-up, so the
+    `jaxtrain` command passes fault.startup_timeout_s (on Kubernetes, pods of one job may start
+    minutes apart); JAX takes whole seconds.
+    """
     explicit = cluster_env()
     if explicit is None and not _autodetected_cluster():
         return
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not has_accelerator_hint():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = max(1, math.ceil(timeout_s))
     if explicit is not None:
-        jax.distributed.initialize(**explicit, initialization_timeout=timeout_s)
+        jax.distributed.initialize(**explicit, initialization_timeout=timeout)
     else:
-        jax.distributed.initialize(local_device_ids=_slurm_local_device_ids(), initialization_timeout=timeout_s)
+        jax.distributed.initialize(local_device_ids=_slurm_local_device_ids(), initialization_timeout=timeout)
 
 
 def _slurm_local_device_ids() -> list[int] | None:
