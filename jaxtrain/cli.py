@@ -66,6 +66,8 @@ def _train(argv: list[str]) -> int:
     try:
         summary = trainer.fit()
     except BaseException as e:
+        # Recorded first, while nothing else can fail: the launchers compare it with the next attempt's.
+        _record_error(cfg.run.output_dir, trainer.process_index, getattr(trainer, "_host_step", -1), e)
         # No barrier after an error: the other processes may be stuck in a collective waiting for
         # this one, and close() would wait out checkpoint.barrier_timeout_s, then hide the cause.
         trainer.abort()
@@ -74,6 +76,54 @@ def _train(argv: list[str]) -> int:
         raise  # one process: main() maps it (2, 75, 130) or Python prints it and exits 1
     trainer.close()
     return summary["exit_code"]
+
+
+ERROR_EVENT_TIMEOUT_S = 0.5  # the `error` event may delay a failing process's exit by this much at most
+ERROR_MESSAGE_CHARS = 200
+
+
+def error_details(e: BaseException) -> dict:
+    """The `error` event's fields for exception `e`: `type` (its class name), `message` (its first line,
+    at most ERROR_MESSAGE_CHARS characters) and `where` (the innermost traceback frame in the jaxtrain
+    package, as 'jaxtrain/path/file.py:function'; '?' when none is)."""
+    import traceback
+    package = os.path.dirname(os.path.abspath(__file__))
+    where = "?"
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(package + os.sep):
+            rel = os.path.relpath(path, os.path.dirname(package)).replace(os.sep, "/")
+            where = f"{rel}:{frame.name}"
+    lines = str(e).strip().splitlines()
+    message = lines[0] if lines else ""
+    if len(message) > ERROR_MESSAGE_CHARS:
+        message = message[:ERROR_MESSAGE_CHARS - 3] + "..."
+    return {"type": type(e).__name__, "message": message, "where": where}
+
+
+def _record_error(output_dir: str | None, process: int, step: int, e: BaseException) -> None:
+    """Append an `error` event (process, type, message, where, step) to the run's events.jsonl, so
+    that the launchers can tell the same deterministic failure coming back (`policy.error_signature`).
+
+    Best effort: never raises, and waits at most ERROR_EVENT_TIMEOUT_S (a hung filesystem must not
+    keep a failing process alive). Interrupts and exits are no errors, and a user error (exit 2, never
+    restarted) writes nothing, as ever; a remote run directory gets nothing (`append_event` skips it:
+    the launchers read local files only)."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, ConfigError)) or output_dir is None:
+        return
+    import threading
+
+    from jaxtrain.observe.runlog import append_event  # imported already by the Trainer
+
+    def write() -> None:
+        try:
+            append_event(output_dir, "error", step, process=process, **error_details(e))
+        except BaseException as failed:  # noqa: BLE001 -- the error being handled is the one to report
+            print(f"jaxtrain: could not record the error event: {type(failed).__name__}: {failed}", file=sys.stderr)
+
+    t = threading.Thread(target=write, name="jaxtrain-error-event", daemon=True)
+    t.start()
+    t.join(ERROR_EVENT_TIMEOUT_S)
 
 
 def _report_failure(e: BaseException) -> int:

@@ -193,11 +193,14 @@ class FaultConfig:
     """Noticing failures: hang watchdog, stragglers, preflight health check (jaxtrain/fault/watchdog.py,
     stragglers.py, preflight.py)."""
 
-    # No step finished for this long -> stacks dumped, `hang` event, exit 75. 0 turns the whole watchdog
-    # off: the start-up and checkpoint deadlines below too (separating them is pending; docs/fault.md).
+    # No step finished for this long -> stacks dumped, `hang` event, exit 75. 0 = off: the step deadline
+    # only; the start-up, compile and checkpoint deadlines below still hold (docs/fault.md).
     hang_timeout_s: float = 600.0
-    startup_timeout_s: float = 1800.0  # deadline for start-up: distributed init, the first compile and step
-    checkpoint_timeout_s: float = 1800.0  # deadline for one checkpoint save or restore call
+    # Deadline for start-up: distributed init, the first compile and step (must be positive, no "off").
+    # An XLA compile in progress gets max(this, 3 x the run's longest recorded compile), or
+    # this x 2^attempt (at most x16) when none is recorded (jaxtrain/fault/watchdog.py).
+    startup_timeout_s: float = 1800.0
+    checkpoint_timeout_s: float = 1800.0  # deadline for one checkpoint save or restore call (positive, no "off")
     straggler_every: int = 50  # steps between cross-process comparisons of host step times (0 = off)
     straggler_factor: float = 1.5  # a process this many times slower than the median is a straggler
     preflight: bool = True  # health check before training on multi-process jobs (always via `jaxtrain preflight`)
@@ -224,6 +227,7 @@ class ChaosConfig:
     # A Python error in the loop: raise_process raises a RuntimeError right after this step (first attempt only).
     raise_at_step: int = -1
     raise_process: int = 0
+    raise_every_attempt: bool = False  # raise_at_step fires on every attempt (a deterministic bug), not the first only
     # A bad node: unlike the drills above, this one fires on EVERY attempt, so only isolating the slot
     # (`jaxtrain launch --isolate-after K`) lets the run finish. The slot is JAXTRAIN_SLOT under
     # `jaxtrain launch` (kept when other slots are isolated), else the process index.

@@ -2,8 +2,9 @@
 
 All are off by default and fire on the first attempt of a job only (`jaxtrain launch` and the
 cluster recipes count attempts in JAXTRAIN_RESTART_ATTEMPT), so a restarted job runs clean. The
-exceptions: the numerics drills (they are data), and `chaos.crash_process`, a bad node that crashes
-on every attempt until `jaxtrain launch --isolate-after` takes its slot out of the job.
+exceptions: the numerics drills (they are data), `chaos.crash_process`, a bad node that crashes
+on every attempt until `jaxtrain launch --isolate-after` takes its slot out of the job, and
+`chaos.raise_at_step` with `chaos.raise_every_attempt`, a deterministic bug.
 Each drill that fires writes a `chaos` event first, so a run directory says what was injected.
 """
 
@@ -86,7 +87,8 @@ class Chaos:
             os.kill(os.getpid(), signal.SIGKILL)  # die without any cleanup
         if c.slow_seconds > 0 and self.process_index == c.slow_process:
             time.sleep(c.slow_seconds)  # a straggler: same numerics, later
-        if self.armed and step == c.raise_at_step and self.process_index == c.raise_process:
+        # chaos.raise_every_attempt: a deterministic bug, raised on every attempt (the launchers then stop with 78).
+        if (self.armed or c.raise_every_attempt) and step == c.raise_at_step and self.process_index == c.raise_process:
             # A bug or a failed call in the loop, while the other processes go on into the next
             # step's collectives: the error must reach the log and the process must end at once.
             self.event("chaos", step, drill="raise", process=self.process_index)

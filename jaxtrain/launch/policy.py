@@ -8,8 +8,13 @@ plus the failure history and the limits; one decision out:
 The rules (exit codes as in DESIGN §4):
 - every process exited 0 -> Done;
 - a user error (exit 2) -> Stop: it would fail the same way again, so it is never restarted;
-- "stop, a human is needed" (exit 78: the rollback budget is spent, the same deterministic failure
-  came back) -> Stop with 78, for the same reason: a restart would hit the same wall;
+- "stop, a human is needed" (exit 78: the rollback budget is spent) -> Stop with 78, for the same
+  reason: a restart would hit the same wall;
+- the same deterministic failure twice -> GiveUp with 78: two attempts in a row that made no
+  progress (`Attempt.progress`) and whose first failing process ended with the same Python error
+  (`error_signature`: its `error` event's exception type, innermost jaxtrain frame and step) would
+  only fail a third time. A different error, an attempt without one (exit 75, a signal, a crash
+  without a Python exception) or an attempt that made progress resets it;
 - anything else (75 "restart me", another code, a signal) -> Restart while restarts are left, else
   GiveUp with the failure's exit code;
 - blame (`blame`): the first process to exit non-zero is the failure. A crash counts against the
@@ -40,6 +45,7 @@ from typing import Literal, Mapping, Sequence, Union
 from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART, EXIT_USAGE
 
 Slot = Union[int, str]  # a `jaxtrain launch` slot number, or a node name (SLURM)
+Signature = tuple[str, str, int]  # a Python error: (exception type, innermost jaxtrain frame "file:function", step)
 
 
 # ----------------------------------------------------------------------------- what happened
@@ -70,6 +76,8 @@ class Attempt:
       started: UNIX time the attempt started; events logged before it blame nobody (0: no filter).
       code: the job's exit code when a scheduler reports one for the whole job (srun's): it alone
         says done (0) or user error (2). None: judged from `exits`.
+      progress: it moved the run forward (`made_progress`); then its error, if any, never counts
+        as a repeat of the previous attempt's, nor the next attempt's as a repeat of its own.
     """
 
     exits: tuple[Exit, ...]
@@ -77,6 +85,7 @@ class Attempt:
     events: tuple[Mapping, ...] = ()
     started: float = 0.0
     code: int | None = None
+    progress: bool = False
 
     def slot_of(self, process: int | None) -> Slot | None:
         """The slot process `process` ran in (None: unknown)."""
@@ -107,17 +116,25 @@ class Failure:
 
 @dataclasses.dataclass(frozen=True)
 class History:
-    """The slots that failed attempts counted against, oldest first (None: that attempt blamed nobody).
+    """The slots that failed attempts counted against, oldest first (None: that attempt blamed nobody),
+    and the latest failed attempt's error signature.
 
     Under `jaxtrain launch` it lives in the Supervisor; under SLURM in the job's state folder
-    (`failed_nodes`, one line per failed attempt, `-` for nobody), so it survives a requeue.
+    (`failed_nodes`, one line per failed attempt, `-` for nobody; `last_error`), so it survives a requeue.
+
+    Attributes:
+      suspects: as above.
+      signature: the latest failed attempt's `error_signature` when it made no progress (None: it
+        ended without a Python error of its first failing process, or it made progress).
     """
 
     suspects: tuple[Slot | None, ...] = ()
+    signature: Signature | None = None
 
-    def after(self, suspect: Slot | None) -> History:
-        """The history once one more failed attempt counted against `suspect`."""
-        return History((*self.suspects, suspect))
+    def after(self, suspect: Slot | None, signature: Signature | None = None) -> History:
+        """The history once one more failed attempt counted against `suspect`, ending with `signature`
+        (its error signature when it made no progress, else None)."""
+        return History((*self.suspects, suspect), signature)
 
     @property
     def streak(self) -> int:
@@ -192,14 +209,16 @@ class GiveUp:
     Attributes:
       failure: the failure that ends it.
       history: the failure history including this attempt.
-      code: the exit code to end with (a signal as 128 + its number).
-      reason: "no restarts left", or "no smaller job" (an isolation that could not be done).
+      code: the exit code to end with (a signal as 128 + its number; 78 for the same failure twice).
+      reason: "no restarts left", "no smaller job" (an isolation that could not be done), or for the
+        same deterministic failure twice `SAME_ERROR_TWICE` followed by ": " and the error
+        (`describe_signature`).
     """
 
     failure: Failure
     history: History
     code: int
-    reason: Literal["no restarts left", "no smaller job"]
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +274,36 @@ def blamed_process(events: Sequence[Mapping], since: float = 0.0) -> int | None:
     return None
 
 
+def error_signature(attempt: Attempt) -> Signature | None:
+    """The Python error the attempt's first failing process ended with: (type, where, step) of its
+    `error` event (the one `jaxtrain train` writes when it fails with an exception), or None.
+
+    None when no process failed, the first failure is an exit 75 (a decision, not an error) or a
+    signal, or that process logged no `error` event during the attempt (events logged before
+    `Attempt.started` are ignored, as for blame).
+    """
+    first = first_failure(attempt.exits)
+    if first is None or first.code < 0 or first.code == EXIT_RESTART:
+        return None
+    for event in attempt.events:
+        if event.get("kind") != "error" or event.get("process") != first.process:
+            continue
+        if event.get("time", 0.0) < attempt.started:
+            continue
+        step = event.get("step")
+        return (str(event.get("type")), str(event.get("where")), step if isinstance(step, int) else -1)
+    return None
+
+
+SAME_ERROR_TWICE = "the same error twice without progress"
+
+
+def describe_signature(signature: Signature) -> str:
+    """'RuntimeError at jaxtrain/fault/chaos.py:after_step, step 3'."""
+    kind, where, step = signature
+    return f"{kind} at {where}, step {step}"
+
+
 def blame(attempt: Attempt) -> Failure:
     """Who failed first in `attempt`, and which slot (if any) the failure counts against."""
     first = first_failure(attempt.exits)
@@ -288,7 +337,11 @@ def decide(attempt: Attempt, history: History, limits: Limits) -> Decision:
     if attempt.code == EXIT_OK or (attempt.code is None and first_failure(attempt.exits) is None):
         return Done()
     failure = blame(attempt)
-    history = history.after(failure.suspect)
+    signature = None if attempt.progress else error_signature(attempt)
+    repeated = signature is not None and signature == history.signature
+    history = history.after(failure.suspect, signature)
+    if repeated:  # a deterministic failure: a restart (or an isolation) would only hit it again
+        return GiveUp(failure, history, EXIT_HUMAN, f"{SAME_ERROR_TWICE}: {describe_signature(signature)}")
     code = exit_status(attempt.code if attempt.code is not None else failure.code)
     give_up = GiveUp(failure, history, code, "no restarts left")
     carry_on: Restart | GiveUp = Restart(failure, history) if limits.restarts_left > 0 else give_up
@@ -315,6 +368,20 @@ def exit_after_signal(codes: Sequence[int | None], signum: int) -> int:
     if EXIT_RESTART in codes:
         return EXIT_RESTART
     return 128 + signum
+
+
+def attempt_steps(events: Sequence[Mapping], previous: int = -1) -> tuple[int, int]:
+    """(the step an attempt resumed from, the latest step it saved a checkpoint at), from its own events.
+
+    The resumed-from step is the attempt's `resume` event's `restored_step`; without one (it started
+    fresh, or died before its first step) `previous` stands in: the latest step the attempts before
+    it saved or resumed from (-1: none). The saved step is the latest `checkpoint_saved` (-1: none).
+    """
+    restored = next((int(e["restored_step"]) for e in events
+                     if e.get("kind") == "resume" and isinstance(e.get("restored_step"), int)), previous)
+    saved = max((int(e["step"]) for e in events
+                 if e.get("kind") == "checkpoint_saved" and isinstance(e.get("step"), int)), default=-1)
+    return restored, saved
 
 
 def made_progress(restored_before: int, saved_after: int) -> bool:

@@ -9,11 +9,14 @@ applies what these verbs decide; it re-implements none of the policy (`policy.py
         [--requeues-done n --max-requeues M] -- train --config PATH [key=value ...]
       prints one line, the decision: `done`, `stop` (user error: exit 2), `stop 78` (a human is needed),
       `restart [free]` (the step, inside the allocation), `requeue [free]`, `isolate NODE OVERRIDE...`
-      (leave NODE out, append the overrides) or `give-up`; `free`: the attempt made progress (it saved
+      (leave NODE out, append the overrides) or `give-up`; `stop 78` also when the same Python error
+      ended two attempts in a row that made no progress (a deterministic failure, `policy.decide`);
+      `free`: the attempt made progress (it saved
       a checkpoint past the one it resumed from, `policy.made_progress`), so the restart or requeue
       is not counted against --step-restarts / --max-requeues (the script does not count it). Says
       why on stderr (`jaxtrain: ...` lines); keeps the failure history in DIR/failed_nodes (one line
-      per failed attempt: the node it counted against, `-` for nobody) and each attempt's
+      per failed attempt: the node it counted against, `-` for nobody), the latest failed attempt's
+      error signature in DIR/last_error (JSON `[type, where, step]`, or `-`), and each attempt's
       `<attempt> <restored step> <saved step>` in DIR/progress.
       FILE has one `<time> <task> <node> <exit code>` line per task (train.sbatch's task wrapper).
     jaxtrain recovery shrink --num-processes P [--devices-per-process N] -- train ...
@@ -30,7 +33,9 @@ exit 2. No JAX: the config is only parsed.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -39,13 +44,14 @@ from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_USAGE
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
-from jaxtrain.launch.policy import (Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits, Restart, Stop,
-                                    blamed_process, decide, made_progress, slurm_restart)
+from jaxtrain.launch.policy import (Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits, Restart, Signature,
+                                    Stop, attempt_steps, blamed_process, decide, made_progress, slurm_restart)
 from jaxtrain.launch.runfiles import read_events
 from jaxtrain.launch.train_command import TrainCommand, child_command, split_train_argv
 
 HISTORY_FILE = "failed_nodes"  # in the --state folder: one line per failed attempt, "-" for nobody
 PROGRESS_FILE = "progress"  # in the --state folder: "<attempt> <restored step> <saved step>" per attempt
+ERROR_FILE = "last_error"  # in the --state folder: the latest failed attempt's error signature (JSON), or "-"
 NOBODY = "-"
 EXIT_NO = 1  # shrink/blame: a valid question whose answer is "none"
 
@@ -107,17 +113,29 @@ def read_exits(path: Path, tasks: int) -> tuple[tuple[Exit, ...], tuple[str | No
     return tuple(Exit(task, code) for _, task, _, code in records), tuple(nodes.get(i) for i in range(tasks))
 
 
+def _read_signature(path: Path) -> Signature | None:
+    try:
+        kind, where, step = json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):  # none yet, "-", or a torn write: no signature
+        return None
+    return (str(kind), str(where), step) if isinstance(step, int) else None
+
+
 def read_history(state: Path) -> History:
     """The failure history kept in `state` (empty before the first failure)."""
     path = state / HISTORY_FILE
     lines = path.read_text().split() if path.exists() else []
-    return History(tuple(None if node == NOBODY else node for node in lines))
+    return History(tuple(None if node == NOBODY else node for node in lines), _read_signature(state / ERROR_FILE))
 
 
-def record_failure(state: Path, suspect: str | None) -> None:
-    """Append one failed attempt's suspect (None: nobody) to the history in `state`."""
+def record_failure(state: Path, suspect: str | None, signature: Signature | None = None) -> None:
+    """Append one failed attempt's suspect (None: nobody) to the history in `state`, and keep its
+    error signature (None: none) as the latest."""
     with open(state / HISTORY_FILE, "a") as f:
         f.write(f"{NOBODY if suspect is None else suspect}\n")
+    tmp = state / f".{ERROR_FILE}.tmp"
+    tmp.write_text(NOBODY if signature is None else json.dumps(list(signature)))
+    os.replace(tmp, state / ERROR_FILE)
 
 
 def attempt_progress(state: Path, attempt_no: int, events: list[dict]) -> tuple[int, int]:
@@ -137,10 +155,7 @@ def attempt_progress(state: Path, attempt_no: int, events: list[dict]) -> tuple[
         if len(fields) == 3 and fields[2].lstrip("-").isdigit():
             previous = max(int(fields[1]) if fields[1].lstrip("-").isdigit() else -1, int(fields[2]))
             break
-    restored = next((int(e["restored_step"]) for e in events
-                     if e.get("kind") == "resume" and isinstance(e.get("restored_step"), int)), previous)
-    saved = max((int(e["step"]) for e in events
-                 if e.get("kind") == "checkpoint_saved" and isinstance(e.get("step"), int)), default=-1)
+    restored, saved = attempt_steps(events, previous)
     with open(path, "a") as f:
         f.write(f"{attempt_no} {restored} {saved}\n")
     return restored, saved
@@ -217,11 +232,11 @@ def _decide(argv: list[str]) -> int:
         raise ConfigError(f"--exits {exits_file}: no such file")
     exits, nodes = read_exits(exits_file, args.tasks)
     events = read_events(train.cfg.run.output_dir)
-    attempt = Attempt(exits=exits, slots=nodes, events=tuple(events),
-                      started=args.attempt_started, code=args.exit_code)
     own_events = [e for e in events if e.get("time", 0.0) >= args.attempt_started]
     restored, saved = attempt_progress(state, args.attempt, own_events)
     progress = made_progress(restored, saved)
+    attempt = Attempt(exits=exits, slots=nodes, events=tuple(events),
+                      started=args.attempt_started, code=args.exit_code, progress=progress)
     how = slurm_restart(args.step_restarts_done, args.step_restarts, args.time_left_s, args.min_time_left_s,
                         args.requeues_done, args.max_requeues, progress=progress)
     limits = Limits(restarts_left=1 if how else 0, isolate_after=args.isolate_after, isolation_is_restart=False)
@@ -236,8 +251,12 @@ def _decide(argv: list[str]) -> int:
         _say(f"{what} (exit {decision.code}), not restarted")
         print("stop" if decision.code == EXIT_USAGE else f"stop {decision.code}")
         return EXIT_OK
-    record_failure(state, decision.failure.suspect)
+    record_failure(state, decision.failure.suspect, decision.history.signature)
     _say(_first_failure_line(args.attempt, args.exit_code, decision.failure, decision.history.streak))
+    if isinstance(decision, GiveUp) and decision.code == EXIT_HUMAN:  # the same deterministic failure twice
+        _say(f"{decision.reason}: a human is needed (exit {EXIT_HUMAN}), not restarted")
+        print(f"stop {EXIT_HUMAN}")
+        return EXIT_OK
     if isinstance(decision, Isolate):
         node, streak = decision.slot, decision.history.streak
         per_node = args.tasks // args.nodes

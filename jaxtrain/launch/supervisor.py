@@ -12,6 +12,9 @@ What to do when an attempt ends is `policy.decide` (exit codes as in DESIGN §4)
 - all processes exit 0 -> exit 0;
 - one exits 2 (bad config/usage/input) -> stop the others, exit 2; a user error is never restarted;
 - one exits 78 ("stop, a human is needed": the rollback budget is spent, ...) -> the same, exit 78;
+- the same Python error (its `error` event: type, innermost jaxtrain frame, step) ends two attempts
+  in a row that made no progress (no checkpoint saved past the one resumed from) -> a deterministic
+  failure: exit 78, not restarted;
 - one exits 75 ("restart me"), exits non-zero otherwise, or dies from a signal -> stop the others
   and restart the whole job with the same command on a new port, at most --max-restarts times. The
   trainer resumes from the latest checkpoint in run.output_dir by itself; the launcher appends a
@@ -47,8 +50,8 @@ from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
-from jaxtrain.launch.policy import (Attempt, Done, Exit, GiveUp, History, Isolate, Limits, Stop, decide,
-                                    exit_after_signal)
+from jaxtrain.launch.policy import (Attempt, Done, Exit, GiveUp, History, Isolate, Limits, Stop, attempt_steps, decide,
+                                    exit_after_signal, made_progress)
 from jaxtrain.launch.recovery_cli import print_blame, print_shrink
 from jaxtrain.launch.runfiles import count_events, last_known_step, read_events
 from jaxtrain.launch.train_command import child_command, split_train_argv
@@ -170,6 +173,7 @@ class Supervisor:
         self.plan_isolation = plan_isolation
         self.host = host or socket.gethostname()
         self.history = History()  # which slot each failed attempt counted against (policy.History)
+        self._last_step = -1  # the latest step an attempt resumed from or saved (for policy.made_progress)
         self.output_dir = output_dir  # kept as given: Path() would mangle gs://...
         self.max_restarts = max_restarts
         self.port = port
@@ -320,7 +324,8 @@ class Supervisor:
         """Run the job until it succeeds, hits a user error, runs out of restarts, or is signalled.
 
         Returns:
-          0 when every process exited 0; 2 on a user error; 75 or 128+signal after SIGTERM/SIGINT;
+          0 when every process exited 0; 2 on a user error; 78 when a human is needed (a process exited
+          78, or the same Python error ended two attempts in a row); 75 or 128+signal after SIGTERM/SIGINT;
           otherwise the failing process's exit code (128+signal for a signal) once restarts are spent.
         """
         handlers = {}
@@ -345,8 +350,11 @@ class Supervisor:
             exits = self._wait()
             if self._stop_signal is not None or exits is None:
                 return self._finish_after_signal()
-            ended = Attempt(exits=tuple(exits), slots=tuple(self.slots),
-                            events=tuple(read_events(self.output_dir, self._events_at_start)))
+            events = tuple(read_events(self.output_dir, self._events_at_start))
+            restored, saved = attempt_steps(events, self._last_step)
+            self._last_step = max(restored, saved)
+            ended = Attempt(exits=tuple(exits), slots=tuple(self.slots), events=events,
+                            progress=made_progress(restored, saved))
             decision = decide(ended, self.history,
                               Limits(restarts_left=self.max_restarts - attempt, isolate_after=self.isolate_after))
             if isinstance(decision, Done):
@@ -360,6 +368,9 @@ class Supervisor:
             self.history = decision.history
             failure = decision.failure
             reason = f"process {failure.process} {describe_exit(failure.code)}"
+            if isinstance(decision, GiveUp) and decision.code == EXIT_HUMAN:  # the same failure twice
+                self.say(f"{reason}: {decision.reason} (a human is needed): not restarting")
+                return decision.code
             if isinstance(decision, GiveUp):
                 self.say(f"{reason}; no restarts left (--max-restarts {self.max_restarts}): giving up")
                 return decision.code

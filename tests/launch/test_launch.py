@@ -149,6 +149,67 @@ def test_a_process_that_needs_a_human_stops_the_job_with_78_and_is_never_restart
     assert "restarting the job" not in err and not (tmp_path / "events.jsonl").exists()
 
 
+def test_the_same_python_error_twice_without_progress_stops_the_job_with_78(tmp_path):
+    """Process 1 fails with the same Python error on every attempt, and no attempt saves a checkpoint:
+    a deterministic failure. The launcher restarts once (one error is not yet a pattern), then stops
+    with 78 instead of spending the other restarts."""
+    code, _, err = supervise(fake(f"""
+        from jaxtrain.cli import _record_error
+        if PID == 1:
+            try:
+                raise RuntimeError("a bug")
+            except RuntimeError as e:
+                _record_error({str(tmp_path)!r}, PID, 3, e)
+            sys.exit(1)
+        time.sleep(60)
+    """), max_restarts=5, output_dir=tmp_path, grace_period_s=0.5)
+    assert code == 78, err
+    assert "the same error twice without progress: RuntimeError at ?, step 3 (a human is needed): not restarting" in err
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [e["kind"] for e in events] == ["error", "restart", "error"]
+    assert events[0]["process"] == 1 and events[0]["message"] == "a bug" and events[0]["step"] == 3
+
+
+def test_a_different_error_or_progress_in_between_restarts(tmp_path):
+    """Errors that change (the step here), and the same error after an attempt that saved a checkpoint:
+    restarts, until the restarts are spent."""
+    code, _, err = supervise(fake(f"""
+        from jaxtrain.cli import _record_error
+        from jaxtrain.observe.runlog import append_event
+        if PID == 1:
+            if ATTEMPT == 2:
+                append_event({str(tmp_path)!r}, "checkpoint_saved", 2)
+            try:
+                raise RuntimeError("a bug")
+            except RuntimeError as e:
+                _record_error({str(tmp_path)!r}, PID, 3 + (ATTEMPT < 2) * ATTEMPT, e)
+            sys.exit(1)
+        time.sleep(60)
+    """), max_restarts=3, output_dir=tmp_path, grace_period_s=0.5)
+    assert code == 1 and "no restarts left" in err, err  # steps 3, 4, 3 (after progress), 3: never twice in a row
+
+
+def test_the_error_event_names_the_innermost_jaxtrain_frame(tmp_path):
+    from jaxtrain.cli import _record_error, error_details
+    from jaxtrain.launch.policy import exit_status
+    try:
+        exit_status(None)  # a TypeError inside jaxtrain/launch/policy.py
+    except TypeError as e:
+        error = e
+    details = error_details(error)
+    assert details["type"] == "TypeError" and details["where"] == "jaxtrain/launch/policy.py:exit_status"
+    assert error_details(RuntimeError("x" * 500 + "\nsecond line"))["message"] == "x" * 197 + "..."
+    t = time.monotonic()
+    _record_error(str(tmp_path), 2, 7, error)
+    _record_error("gs://bucket/run", 2, 7, error)  # remote: nothing, no error
+    _record_error(str(tmp_path), 2, 7, KeyboardInterrupt())  # an interrupt is no error
+    _record_error(str(tmp_path), 2, 7, ConfigError("bad"))  # a user error writes nothing, as ever
+    assert time.monotonic() - t < 1.0
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert {k: event[k] for k in ("kind", "process", "step", "type", "where")} == {
+        "kind": "error", "process": 2, "step": 7, "type": "TypeError", "where": "jaxtrain/launch/policy.py:exit_status"}
+
+
 def test_a_process_sigkill_cannot_end_is_reported_and_the_launcher_goes_on(monkeypatch):
     """A child in uninterruptible sleep (D state) outlives SIGKILL: the launcher must not wait for it forever.
     Played by a child that ignores SIGTERM and a launcher whose SIGKILL does not reach it."""
@@ -607,6 +668,31 @@ def test_a_bad_slot_is_isolated_and_the_run_continues_on_fewer_processes(tmp_pat
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4), step
     assert_trees_close(final_params(out), final_params(reference), rel=1e-4, what="final parameter ")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_same_python_error_twice_stops_a_real_job_with_78(tmp_path, child_env):
+    """Process 1 raises a RuntimeError right after step 3 on every attempt (chaos.raise_every_attempt: a
+    deterministic bug) and no checkpoint is saved before it: each attempt logs an `error` event, the
+    second with the first's signature, so `jaxtrain launch` stops with 78 after the second attempt
+    instead of spending its other 4 restarts."""
+    out = tmp_path / "run"
+    r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2", "--max-restarts", "5",
+               "--grace-period-s", "2",
+               overrides=[f"run.output_dir={out}", "train.steps=6", "checkpoint.every_steps=100",
+                          "chaos.raise_at_step=3", "chaos.raise_process=1", "chaos.raise_every_attempt=true"])
+    assert r.returncode == 78, r.stderr[-3000:]
+    assert r.stderr.count("starting 2 processes") == 2
+    said = "the same error twice without progress: RuntimeError at jaxtrain/fault/chaos.py:after_step, step 3"
+    assert said in r.stderr, r.stderr[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    errors = [e for e in events if e["kind"] == "error" and e["process"] == 1]
+    assert len(errors) == 2, events
+    for e in errors:
+        assert (e["type"], e["where"], e["step"]) == ("RuntimeError", "jaxtrain/fault/chaos.py:after_step", 3)
+        assert e["message"] == "chaos.raise_at_step: injected error on process 1 at step 3"
+    assert [e["attempt"] for e in events if e["kind"] == "restart"] == [1]
 
 
 @pytest.mark.multiprocess

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from jaxtrain import cli
-from jaxtrain.launch.policy import (Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits, Restart, Stop,
-                                    blame, blamed_process, decide, exit_after_signal, exit_status, first_failure,
-                                    made_progress, slurm_restart)
+from jaxtrain.launch.policy import (SAME_ERROR_TWICE, Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits,
+                                    Restart, Stop, attempt_steps, blame, blamed_process, decide, error_signature,
+                                    exit_after_signal, exit_status, first_failure, made_progress, slurm_restart)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/tiny.yaml"
@@ -35,10 +35,17 @@ def preflight(*named: int, time: float | None = None) -> dict:
     return {"kind": "preflight_failed", "named": list(named), **({} if time is None else {"time": time})}
 
 
-def attempt(*exits: tuple[int, int], slots=(0, 1, 2), events=(), started=0.0, code=None) -> Attempt:
+def error(process: int = 1, type: str = "RuntimeError", where: str = "jaxtrain/fault/chaos.py:after_step",
+          step: int = 3, time: float | None = None) -> dict:
+    """An `error` event as `jaxtrain train` writes it when it fails with a Python exception."""
+    return {"kind": "error", "process": process, "type": type, "where": where, "step": step,
+            "message": f"{type} on process {process}", **({} if time is None else {"time": time})}
+
+
+def attempt(*exits: tuple[int, int], slots=(0, 1, 2), events=(), started=0.0, code=None, progress=False) -> Attempt:
     """An attempt: (process, exit code) pairs in the order the processes exited."""
     return Attempt(exits=tuple(Exit(p, c) for p, c in exits), slots=tuple(slots), events=tuple(events),
-                   started=started, code=code)
+                   started=started, code=code, progress=progress)
 
 
 def kind(decision) -> str:
@@ -254,6 +261,81 @@ def test_give_up_ends_with_the_schedulers_code():
     assert isinstance(decision, GiveUp) and decision.code == 137 and exit_status(-9) == 137
 
 
+# ----------------------------------------------------------------------------- the same error twice
+
+SIG = ("RuntimeError", "jaxtrain/fault/chaos.py:after_step", 3)
+
+
+@pytest.mark.parametrize("ended, signature", [
+    (attempt((1, 1), (0, 1), events=[error(0), error(1)]), SIG),           # the first failing process's error
+    (attempt((0, 1), (1, 1), events=[error(1)]), None),                    # the first to fail logged none
+    (attempt((1, 75), events=[error(1)]), None),                           # exit 75: a decision, not an error
+    (attempt((1, -9), events=[error(1)]), None),                           # a signal
+    (attempt((1, 1), events=[error(1, time=1.0)], started=2.0), None),     # an older attempt's
+    (attempt((1, 1), events=[error(1, time=3.0)], started=2.0), SIG),
+    (attempt((0, 0), events=[error(1)]), None),                            # nobody failed
+])
+def test_error_signature(ended, signature):
+    assert error_signature(ended) == signature
+
+
+@pytest.mark.parametrize("ended, history, limits, want, code", [
+    # the same error twice, no progress in either attempt -> a deterministic failure: give up with 78
+    (attempt((1, 1), (0, 1), events=[error()]), History((1,), SIG), LAUNCH, "give-up", 78),
+    (attempt((1, 1), events=[error()], code=137, slots=("a", "b")), History(("b",), SIG),
+     Limits(restarts_left=1, isolation_is_restart=False), "give-up", 78),
+    # ... even with no restarts left, and before an isolation would
+    (attempt((1, 1), events=[error()]), History((1,), SIG), Limits(restarts_left=0), "give-up", 78),
+    (attempt((1, 1), events=[error()]), History((1,), SIG), ISOLATE_2, "give-up", 78),
+    # a different error (type, place or step) -> restart
+    (attempt((1, 1), events=[error(type="ValueError")]), History((1,), SIG), LAUNCH, "restart", None),
+    (attempt((1, 1), events=[error(where="jaxtrain/trainer.py:_dispatch")]), History((1,), SIG), LAUNCH, "restart",
+     None),
+    (attempt((1, 1), events=[error(step=4)]), History((1,), SIG), LAUNCH, "restart", None),
+    # the same error from another process first: its signature is the same, the slot does not matter
+    (attempt((0, 1), events=[error(0)]), History((1,), SIG), LAUNCH, "give-up", 78),
+    # progress: this attempt saved past its start, or the previous one did (History.signature None)
+    (attempt((1, 1), events=[error()], progress=True), History((1,), SIG), LAUNCH, "restart", None),
+    (attempt((1, 1), events=[error()]), History((1,), None), LAUNCH, "restart", None),
+    # an exit 75 or a signal carries no signature, whatever the events say
+    (attempt((1, 75), events=[error()]), History((1,), SIG), LAUNCH, "restart", None),
+    (attempt((1, -9), events=[error()]), History((1,), SIG), LAUNCH, "restart", None),
+    # a crash without a Python error (chaos.crash_process: os._exit(1)): no signature
+    (attempt((1, 1)), History((1,), SIG), LAUNCH, "restart", None),
+])
+def test_decide_the_same_error_twice(ended, history, limits, want, code):
+    decision = decide(ended, history, limits)
+    assert kind(decision) == want
+    if code is not None:
+        assert decision.code == code
+        assert decision.reason == f"{SAME_ERROR_TWICE}: RuntimeError at jaxtrain/fault/chaos.py:after_step, step 3"
+    if want == "restart":
+        assert decision.history.signature == (None if ended.progress else error_signature(ended))
+
+
+def test_replayed_errors_give_up_on_the_second_in_a_row():
+    e, other = attempt((1, 1), slots=(0, 1), events=[error()]), attempt((1, 1), slots=(0, 1), events=[error(step=5)])
+    history, kinds = History(), []
+    for n, ended in enumerate([e, other, e, attempt((1, 1), slots=(0, 1), events=[error()], progress=True), e, e]):
+        decision = decide(ended, history, Limits(restarts_left=9 - n))
+        kinds.append(kind(decision))
+        if isinstance(decision, GiveUp):
+            break
+        history = decision.history
+    assert kinds == ["restart", "restart", "restart", "restart", "restart", "give-up"]
+    assert decision.code == 78
+
+
+@pytest.mark.parametrize("events, previous, want", [
+    ([], -1, (-1, -1)),
+    ([], 40, (40, -1)),                                                      # no resume event: the previous stands
+    ([{"kind": "resume", "restored_step": 20}, {"kind": "checkpoint_saved", "step": 30}], 40, (20, 30)),
+    ([{"kind": "checkpoint_saved", "step": 2}, {"kind": "checkpoint_saved", "step": 4}], -1, (-1, 4)),
+])
+def test_attempt_steps(events, previous, want):
+    assert attempt_steps(events, previous) == want
+
+
 # ----------------------------------------------------------------------------- attempt after attempt
 
 def replay(attempts: list[Attempt], max_restarts: int, isolate_after: int) -> list[str]:
@@ -414,6 +496,47 @@ def test_decide_without_a_resume_event_compares_with_the_previous_attempt(capsys
     code, out, err = recovery(capsys, *job(1, "160.0 1 node-b 1", started=100.0, step_restarts_done=2))
     assert (code, out) == (0, "requeue\n") and "requeueing (requeue 1 of 1)" in err
     assert (job.state / "progress").read_text().splitlines()[-1] == "0 40 40"
+
+
+def test_decide_stops_with_78_on_the_same_error_twice_without_progress(capsys, job):
+    """Two calls, as train.sbatch makes them after two attempts: the state folder keeps the first
+    attempt's error signature, the second attempt's same error is a deterministic failure."""
+    def attempt_with_error(n: int, **details) -> list[str]:
+        with open(job.run / "events.jsonl", "a") as f:
+            f.write(events_line("error", 3, 100.0 * n + 50, **{"process": 1, "type": "RuntimeError",
+                                                                  "where": "jaxtrain/fault/chaos.py:after_step",
+                                                                  "message": "boom", **details}))
+        return job(137, f"{100.0 * n + 51} 1 node-b 1", f"{100.0 * n + 52} 0 node-a 137", started=100.0 * n,
+                   isolate_after=0)
+
+    code, out, err = recovery(capsys, *attempt_with_error(1))
+    assert (code, out) == (0, "restart\n"), err
+    assert json.loads((job.state / "last_error").read_text()) == ["RuntimeError", "jaxtrain/fault/chaos.py:after_step",
+                                                                   3]
+    code, out, err = recovery(capsys, *attempt_with_error(2))
+    assert (code, out) == (0, "stop 78\n"), err
+    assert ("the same error twice without progress: RuntimeError at jaxtrain/fault/chaos.py:after_step, step 3: "
+            "a human is needed (exit 78), not restarted") in err
+    # a different error next (another place): a restart; the latest signature is kept
+    code, out, err = recovery(capsys, *attempt_with_error(3, where="jaxtrain/trainer.py:_dispatch"))
+    assert (code, out) == (0, "restart\n"), err
+    assert json.loads((job.state / "last_error").read_text())[1] == "jaxtrain/trainer.py:_dispatch"
+    # an exit 75 in between resets it
+    code, out, err = recovery(capsys, *job(75, "401.0 0 node-a 75", started=400.0, isolate_after=0))
+    assert (code, out) == (0, "restart\n"), err
+    assert (job.state / "last_error").read_text() == "-"
+    code, out, err = recovery(capsys, *attempt_with_error(5, where="jaxtrain/trainer.py:_dispatch"))
+    assert (code, out) == (0, "restart\n"), err
+
+
+def test_decide_does_not_stop_when_the_attempt_made_progress(capsys, job):
+    (job.state / "last_error").write_text(json.dumps(["RuntimeError", "jaxtrain/fault/chaos.py:after_step", 3]))
+    (job.run / "events.jsonl").write_text(
+        events_line("checkpoint_saved", 2, 101.0)
+        + events_line("error", 3, 102.0, process=1, type="RuntimeError", where="jaxtrain/fault/chaos.py:after_step"))
+    code, out, err = recovery(capsys, *job(1, "103.0 1 node-b 1", started=100.0, isolate_after=0))
+    assert (code, out) == (0, "restart free\n"), err
+    assert (job.state / "last_error").read_text() == "-"
 
 
 def test_decide_cannot_leave_a_node_out_of_one_node_or_without_a_smaller_job(capsys, job):
