@@ -19,7 +19,6 @@ drills (`chaos.py`), the agreed stop/save decision (`preemption.py`), checkpoint
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import threading
@@ -33,6 +32,7 @@ from flax import nnx
 
 from jaxtrain import __version__, env
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
+from jaxtrain.checkpoint.compilation_cache import last_compile_s
 from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.checkpoint.storage import check_access
 from jaxtrain.config import Config, ConfigError
@@ -116,7 +116,8 @@ class Trainer:
         self.cfg = cfg
         self._started_at = started_at if started_at is not None else time.time()
         # Before the first jit: a restarted run loads its compiled step instead of recompiling.
-        enable_compilation_cache(cfg.checkpoint.compilation_cache_dir, cfg.run.output_dir if write_files else None)
+        self._cache_dir = enable_compilation_cache(cfg.checkpoint.compilation_cache_dir,
+                                                   cfg.run.output_dir if write_files else None)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         devices = list(devices) if devices is not None else jax.devices()
         # Phase-2 validation: needs the devices and processes, runs before anything is written.
@@ -144,9 +145,11 @@ class Trainer:
         # (where it agrees on "none"). The watchdog covers it with the start-up deadline (a restore
         # with the checkpoint deadline).
         self.output_dir = cfg.run.output_dir
-        self.watchdog = Watchdog(cfg.fault if write_files else dataclasses.replace(cfg.fault, hang_timeout_s=0),
-                                 output_dir=self.output_dir, process_index=self.process_index,
-                                 process_count=self.process_count, attempt=env.restart_attempt())
+        # write_files=False (notebooks, tests): no watchdog at all. Not fault.hang_timeout_s=0, which
+        # turns off only the step deadline.
+        self.watchdog = Watchdog(cfg.fault, output_dir=self.output_dir, process_index=self.process_index,
+                                 process_count=self.process_count, attempt=env.restart_attempt(),
+                                 enabled=write_files)
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
         self.guard = SpikeGuard(cfg, self._event)
@@ -231,11 +234,17 @@ class Trainer:
             self.log.event(kind, step, **details)
 
     def _compile(self) -> None:
-        """Compile the train step once, ahead of time, with explicit shardings and donated state."""
-        t = time.perf_counter()
-        self.lowered_step = self.layout.lower_train_step()
-        self.compiled_step = self.lowered_step.compile()
-        self.compile_s = time.perf_counter() - t
+        """Compile the train step once, ahead of time, with explicit shardings and donated state.
+
+        Under the watchdog's compile deadline, not start-up's: a healthy cold compile longer than
+        fault.startup_timeout_s would otherwise be killed at every attempt and never be cached. The
+        deadline is sized from the longest compile recorded in the cache folder (read here, still
+        under the start-up deadline, so a stalled filesystem is caught; once per process)."""
+        with self.watchdog.compiling(last_compile_s(self._cache_dir)):
+            t = time.perf_counter()
+            self.lowered_step = self.layout.lower_train_step()
+            self.compiled_step = self.lowered_step.compile()
+            self.compile_s = time.perf_counter() - t
 
     # ------------------------------------------------------------------ stepping
 

@@ -1,9 +1,13 @@
 """The hang watchdog: a process that stops making progress is noticed, explained and restarted.
 
 The loop reports progress (`beat(step)`) every step and says what it is doing (`phase`): starting
-(restore, first compile and first step: `fault.startup_timeout_s`), a checkpoint save or restore
-(`fault.checkpoint_timeout_s`), or ordinary steps (`fault.hang_timeout_s` between two steps). A
-daemon thread checks the deadline of the current phase. When it passes:
+(restore, first compile and first step: `fault.startup_timeout_s`), an XLA compile in progress
+(`compiling()`: see `compile_deadline_s`), a checkpoint save or restore (`fault.checkpoint_timeout_s`),
+or ordinary steps (`fault.hang_timeout_s` between two steps). A daemon thread checks the deadline of
+the current phase. Each key turns off only its own deadline: `fault.hang_timeout_s: 0` leaves the
+start-up, compile and checkpoint deadlines running (those two keys must be positive). Only the
+`enabled=False` argument (a Trainer with write_files=False) means "no watchdog at all". When a
+deadline passes:
 
 1. every Python thread's stack is written to `<run dir>/hangs/p<process>-<host>-a<attempt>.txt`;
 2. a `hang` event naming the process, host, phase and step goes to events.jsonl (from every process
@@ -49,7 +53,10 @@ from jaxtrain.config import FaultConfig
 from jaxtrain.exit_codes import EXIT_RESTART
 from jaxtrain.observe.runlog import append_event
 
-PHASES = ("startup", "checkpoint", "step", "idle")  # idle: between notebook calls, no deadline
+PHASES = ("startup", "compile", "checkpoint", "step", "idle")  # idle: between notebook calls, no deadline
+# The compile deadline (see `Watchdog.compile_deadline_s`).
+COMPILE_FACTOR = 3.0  # a known compile time, times this: room for a slower host or a busier machine
+COMPILE_GROWTH_MAX = 16.0  # no compile time known: startup_timeout_s doubles per attempt, up to this factor
 LINGER_S = 10.0  # after declaring a hang, how long to wait for the other processes to notice it
 PUBLISH_MAX_S = 4.0  # progress is shared, and peers' hang declarations read, at least this often
 # Time bounds of the reporting steps once a deadline has passed (each step that overruns is given up).
@@ -64,18 +71,22 @@ class Watchdog:
     """One per process. `start()` once; `phase(...)`/`beat(...)` from the loop; `stop()` at the end."""
 
     def __init__(self, cfg: FaultConfig, *, output_dir: str, process_index: int, process_count: int,
-                 attempt: int = 0, poll_s: float | None = None):
+                 attempt: int = 0, poll_s: float | None = None, enabled: bool = True):
+        """`enabled=False`: no thread, nothing ever fires (notebooks, tests: write_files=False). A
+        separate argument because a zero deadline turns off only its own phase (see the module doc)."""
         self.cfg = cfg
         self.output_dir = output_dir
         self.process_index, self.process_count, self.attempt = process_index, process_count, attempt
         self.host = socket.gethostname()
-        self.enabled = cfg.hang_timeout_s > 0
+        self.enabled = enabled
         self._phase, self._step = "idle", 0
+        self._compile_deadline_s = cfg.startup_timeout_s  # set by compiling()
         self._since = time.monotonic()  # when the current deadline started counting
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        shortest = min(cfg.hang_timeout_s or 1.0, cfg.startup_timeout_s, cfg.checkpoint_timeout_s)
+        # (the compile deadline is never shorter than start-up's; a step deadline of 0 is none)
+        shortest = min(cfg.hang_timeout_s or cfg.startup_timeout_s, cfg.startup_timeout_s, cfg.checkpoint_timeout_s)
         self._poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, shortest / 20))
         # Every few seconds whatever the deadlines: a peer that declared a hang lingers only LINGER_S.
         self._publish_every_s = min(PUBLISH_MAX_S, max(1.0, shortest / 4))
@@ -86,8 +97,25 @@ class Watchdog:
     # -- the loop's side (cheap: a lock and two assignments)
 
     def deadline_s(self, phase: str) -> float | None:
-        return {"startup": self.cfg.startup_timeout_s, "checkpoint": self.cfg.checkpoint_timeout_s,
-                "step": self.cfg.hang_timeout_s, "idle": None}[phase]
+        """The current deadline of `phase`; None: none (idle, or a step deadline of 0)."""
+        return {"startup": self.cfg.startup_timeout_s, "compile": self._compile_deadline_s,
+                "checkpoint": self.cfg.checkpoint_timeout_s, "step": self.cfg.hang_timeout_s or None,
+                "idle": None}[phase]
+
+    def compile_deadline_s(self, last_compile_s: float | None) -> float:
+        """The deadline of an XLA compile in progress: never shorter than the start-up deadline, so a
+        healthy compile longer than it is not killed at every attempt (and so never cached), yet
+        finite, so a process stuck forever in a compile is still caught.
+
+        - a compile time is recorded (`compilation_cache.last_compile_s`, the longest of the run):
+          max(startup_timeout_s, COMPILE_FACTOR x it);
+        - none is (the first attempt, the cache off, or every earlier attempt killed mid-compile,
+          which records nothing): startup_timeout_s x 2^attempt, at most x COMPILE_GROWTH_MAX, so
+          the attempts after a killed compile give it twice as long each time until it completes.
+        """
+        if last_compile_s is not None and last_compile_s > 0:
+            return max(self.cfg.startup_timeout_s, COMPILE_FACTOR * last_compile_s)
+        return self.cfg.startup_timeout_s * min(2.0 ** max(self.attempt, 0), COMPILE_GROWTH_MAX)
 
     def beat(self, step: int, phase: str = "step") -> None:
         """Progress: `step` finished; the next deadline is that of `phase`, counted from now."""
@@ -104,6 +132,21 @@ class Watchdog:
             yield
         finally:
             self.beat(self._step, previous)
+
+    @contextlib.contextmanager
+    def compiling(self, last_compile_s: float | None = None) -> Iterator[None]:
+        """Run an XLA compile under the compile deadline (`compile_deadline_s(last_compile_s)`)
+        instead of the current phase's; afterwards that phase continues, counted anew. Idle stays
+        idle: a compile between notebook calls had no deadline before and gets none now."""
+        with self._lock:
+            idle = self._phase == "idle"
+            if not idle:
+                self._compile_deadline_s = self.compile_deadline_s(last_compile_s)
+        if idle:
+            yield
+            return
+        with self.phase("compile"):
+            yield
 
     def start(self) -> "Watchdog":
         if self.enabled and self._thread is None:

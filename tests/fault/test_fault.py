@@ -57,13 +57,17 @@ def test_each_phase_has_its_own_deadline(tmp_path):
     assert w.fired and w.fired[0][:2] == ("step", 1) and w.fired[0][2] == 0.3
 
 
-def test_idle_has_no_deadline_and_zero_turns_it_off(tmp_path):
+def test_idle_has_no_deadline_and_disabled_means_no_thread(tmp_path):
+    """Idle (between notebook calls) has no deadline; enabled=False (a Trainer without files) runs
+    no thread at all; hang_timeout_s=0 turns off only the step deadline (tests/fault/test_watchdog.py)."""
     w = watchdog(tmp_path, hang_timeout_s=0.1).start()
     w.beat(3, "idle")  # between notebook calls: nobody is waiting for a step
     time.sleep(0.4)
     w.stop()
-    off = watchdog(tmp_path, hang_timeout_s=0)
+    off = Watchdog(FaultConfig(hang_timeout_s=0.1), output_dir=str(tmp_path), process_index=0, process_count=1,
+                   enabled=False)
     assert w.fired == [] and not off.enabled and off.start()._thread is None
+    assert watchdog(tmp_path, hang_timeout_s=0).enabled  # start-up and checkpoint deadlines still apply
 
 
 def test_progress_is_shared_every_few_seconds_whatever_the_deadlines(tmp_path):
