@@ -13,6 +13,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # decorators run, and transformers/torch (tests/hf/test_hf.py) import triton at collection time,
 # before tests/kernels/test_kernels_triton.py could set it.
 os.environ["TRITON_INTERPRET"] = "1"
+# gcsfs reads this once, at import: whichever test imports it first decides for the whole session.
+# Its default (true) looks up every bucket's type over a gRPC API that the GCS emulator and the
+# tests' fake endpoints lack, 60 s per lookup (tests/storage_servers.py sets it for subprocesses).
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 import jax  # noqa: E402
 

@@ -82,6 +82,19 @@ def make_bucket(env: dict, scheme: str, name: str) -> None:
     urllib.request.urlopen(req, timeout=10).read()
 
 
+def clear_client_caches() -> None:
+    """Drop every cached bucket client: gcsfs's and s3fs's instance caches and etils.epath's own
+    lru_cache of the gcsfs instance (Orbax and the checkpoint layout go through epath). A client
+    cached while the environment pointed at another server keeps using that server's address."""
+    import gcsfs
+    import s3fs
+    from etils.epath import backend
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    backend.fsspec_backend._get_filesystem.cache_clear()
+
+
 @contextlib.contextmanager
 def storage_servers(log_dir: str | Path, buckets: list[str]) -> Iterator[dict]:
     """Start both servers, create `buckets` on each, set the environment (restored afterwards),
@@ -118,6 +131,7 @@ def storage_servers(log_dir: str | Path, buckets: list[str]) -> Iterator[dict]:
                 make_bucket(env, scheme, bucket)
         os.environ.update(env)
         fsspec.config.conf["gcs"] = {"token": "anon"}  # fsspec read the FSSPEC_* variables at import
+        clear_client_caches()  # clients made before now point elsewhere
         yield env
     finally:
         for k, v in saved.items():
@@ -129,6 +143,7 @@ def storage_servers(log_dir: str | Path, buckets: list[str]) -> Iterator[dict]:
             fsspec.config.conf.pop("gcs", None)
         else:
             fsspec.config.conf["gcs"] = saved_conf
+        clear_client_caches()
         for p in procs.values():
             p.kill()
             p.wait()

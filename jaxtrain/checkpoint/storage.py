@@ -339,7 +339,9 @@ def _list_bucket(scheme: str, bucket: str) -> None:
         fs = fsspec.filesystem("gs", skip_instance_cache=True,
                                requests_timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S))
         with _quiet("gcsfs"):
-            fs.call("GET", "b/{}/o", bucket, maxResults=1, json_out=True)
+            # Connection: close: the probe's client is never used again, and an idle keep-alive
+            # connection left open would hold a single-threaded server (the GCS emulator) for ever.
+            fs.call("GET", "b/{}/o", bucket, maxResults=1, json_out=True, headers={"Connection": "close"})
 
 
 def check_access(url: str, *, key: str = "run.output_dir") -> None:

@@ -98,11 +98,12 @@ def endpoint() -> Iterator[Callable[..., Endpoint]]:
 
 
 def _clear_clients() -> None:
+    """Forget every cached client: each test's endpoint is gone after it, and a client cached with
+    its address (gcsfs, s3fs, and etils.epath's own cache of them, which Orbax uses) would send the
+    next test's requests (test_object_storage's included) to a dead or hung server for ever."""
     storage._ok.clear()  # a bucket that passed once is not checked again in the process
-    import gcsfs
-    import s3fs
-    s3fs.S3FileSystem.clear_instance_cache()
-    gcsfs.GCSFileSystem.clear_instance_cache()
+    from storage_servers import clear_client_caches
+    clear_client_caches()
 
 
 @pytest.fixture(autouse=True)
