@@ -182,8 +182,9 @@ class CheckpointConfig:
     async_save: bool = True  # write in the background while training continues
     save_at_end: bool = True  # save when train.steps is reached
     init_from: Optional[str] = None  # start a new run from another run's parameters only
-    # Persistent XLA cache (null = off). auto: <run.output_dir>/compilation_cache, which every host of a
-    # job shares (JAX writes it from process 0 only, so a per-host folder warms only process 0's host).
+    # Persistent XLA cache (null = off). auto: for a job spread over hosts <run.output_dir>/compilation_cache,
+    # which every host shares (JAX writes it from process 0 only); for one process or `jaxtrain launch`
+    # (one machine) the per-host ~/.cache/jaxtrain/xla, warm across runs.
     compilation_cache_dir: Optional[str] = "auto"
     barrier_timeout_s: float = 300.0  # host barriers fail after this, naming missing processes
 

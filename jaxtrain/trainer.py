@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxtrain import __version__, env
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
-from jaxtrain.checkpoint.compilation_cache import last_compile_s
+from jaxtrain.checkpoint.compilation_cache import last_compile_s, shared_cache_run_dir
 from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.checkpoint.storage import check_access
 from jaxtrain.config import Config, ConfigError
@@ -115,10 +115,12 @@ class Trainer:
         """The construction proper (see __init__), with the signal handlers already ours."""
         self.cfg = cfg
         self._started_at = started_at if started_at is not None else time.time()
-        # Before the first jit: a restarted run loads its compiled step instead of recompiling.
-        self._cache_dir = enable_compilation_cache(cfg.checkpoint.compilation_cache_dir,
-                                                   cfg.run.output_dir if write_files else None)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        # Before the first jit: a restarted run loads its compiled step instead of recompiling. `auto`
+        # puts it in the run directory when the job spans hosts (JAX writes it from process 0 only).
+        cache_run_dir = shared_cache_run_dir(cfg.run.output_dir if write_files else None, self.process_count,
+                                             one_machine=env.launcher_slot() is not None)
+        self._cache_dir = enable_compilation_cache(cfg.checkpoint.compilation_cache_dir, cache_run_dir)
         devices = list(devices) if devices is not None else jax.devices()
         # Phase-2 validation: needs the devices and processes, runs before anything is written.
         self.mesh_sizes = validate_against_devices(cfg, len(devices), self.process_count,

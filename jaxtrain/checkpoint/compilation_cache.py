@@ -42,13 +42,25 @@ _record_gate: Optional[str] = None  # ... once this (the run directory) exists
 _listener_registered = False
 
 
+def shared_cache_run_dir(run_dir: Optional[str], process_count: int, one_machine: bool) -> Optional[str]:
+    """The run directory `auto` should put the cache in, or None for the per-host folder.
+
+    A job whose processes all run on one machine (one process, or `jaxtrain launch`'s local
+    processes) has nothing to share across hosts: the per-host folder serves every process there
+    and stays warm across runs (new run directories) too. Only a job spread over several hosts needs
+    the run directory, which they all see.
+    """
+    return None if process_count == 1 or one_machine else run_dir
+
+
 def resolve_cache_dir(directory: Optional[str], run_dir: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """Where the cache goes, and a warning line when that is per host.
 
     Args:
       directory: `checkpoint.compilation_cache_dir`: None/"" (off), "auto", a path or a URL.
       run_dir: `run.output_dir`, or None when the run directory must stay untouched
-        (write_files=False): then "auto" means the per-host folder, without a warning.
+        (write_files=False) or is not needed (the job runs on one machine, `shared_cache_run_dir`):
+        then "auto" means the per-host folder, without a warning.
     Returns:
       (folder or URL or None, warning or None).
     """

@@ -138,7 +138,14 @@ def test_auto_cache_dir_is_in_the_run_directory_every_host_shares():
 
 
 @pytest.mark.slow
-def test_a_run_caches_its_programs_and_compile_time_in_its_run_directory(tmp_path, monkeypatch):
+def test_auto_uses_the_run_directory_only_for_a_job_spread_over_hosts():
+    assert cc.shared_cache_run_dir("/shared/run", process_count=4, one_machine=False) == "/shared/run"
+    assert cc.shared_cache_run_dir("/shared/run", process_count=1, one_machine=False) is None  # per host: warm across runs
+    assert cc.shared_cache_run_dir("/shared/run", process_count=4, one_machine=True) is None  # jaxtrain launch
+    assert cc.shared_cache_run_dir(None, process_count=4, one_machine=False) is None  # write_files=False
+
+
+def test_a_run_caches_its_programs_and_compile_time_in_its_cache_folder(tmp_path, monkeypatch):
     from jax.experimental.compilation_cache import compilation_cache
 
     monkeypatch.setattr(cc, "RECORD_MIN_S", 0.0)  # CPU compiles of the tiny model are short
@@ -146,8 +153,10 @@ def test_a_run_caches_its_programs_and_compile_time_in_its_run_directory(tmp_pat
             "jax_persistent_cache_min_entry_size_bytes")
     old = {k: getattr(jax.config, k) for k in keys}
     try:
+        # A single process uses the per-host folder under `auto`; name the folder to look at it.
         cfg_ = load_config(TINY, [f"run.output_dir={tmp_path}", "model.num_layers=1", "data.global_batch_size=8",
-                                  "data.seq_len=32", "train.steps=2", "checkpoint.save_at_end=false"])
+                                  "data.seq_len=32", "train.steps=2", "checkpoint.save_at_end=false",
+                                  f"checkpoint.compilation_cache_dir={tmp_path / 'compilation_cache'}"])
         t = Trainer(cfg_, write_files=True, devices=jax.devices()[:1])
         try:
             t.fit()
