@@ -179,12 +179,17 @@ def _transient_types() -> tuple[type, ...]:
                           ("aiohttp", ("ClientConnectionError", "ServerTimeoutError", "ClientPayloadError")),
                           ("requests.exceptions", ("ConnectionError", "Timeout", "ChunkedEncodingError")),
                           ("google.auth.exceptions", ("TransportError",))):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ImportError:
-            continue
-        types += [getattr(mod, name) for name in names if hasattr(mod, name)]
+        types += _installed(module, names)
     return tuple(types)
+
+
+def _installed(module: str, names: tuple[str, ...]) -> list[type]:
+    """The exception classes `names` of `module`, those that exist; none when it is not installed."""
+    try:
+        mod = __import__(module, fromlist=list(names))
+    except ImportError:
+        return []
+    return [getattr(mod, name) for name in names if hasattr(mod, name)]
 
 
 def _definite_types() -> tuple[type, ...]:
@@ -195,11 +200,7 @@ def _definite_types() -> tuple[type, ...]:
                                                   "UnknownCredentialError", "InvalidEndpointConfigurationError",
                                                   "InvalidRegionError")),
                           ("google.auth.exceptions", ("DefaultCredentialsError",))):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ImportError:
-            continue
-        types += [getattr(mod, name) for name in names if hasattr(mod, name)]
+        types += _installed(module, names)
     return tuple(types)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from test_goodput import write_run
 
 from jaxtrain.config import load_config
 from jaxtrain.observe.goodput import goodput
@@ -21,12 +22,6 @@ from jaxtrain.trainer import Trainer
 
 TINY = Path(__file__).resolve().parents[2] / "configs/tiny.yaml"
 
-
-def write_run(run: Path, events: list[dict], metrics: list[dict]) -> Path:
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    return run
 
 
 def line(step: int, step_time_s: float = 1.0, **extra) -> dict:
