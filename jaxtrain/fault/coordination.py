@@ -291,6 +291,7 @@ def measure_all(process_count: int, *, barrier_timeout_s: Optional[float] = None
     from jaxtrain.checkpoint.multihost import barrier
     from jaxtrain.config import FaultConfig
     from jaxtrain.fault import preflight
+    from jaxtrain.fault.preflight_plan import plan_rounds
     from jaxtrain.fault.preemption import agree_on_startup_stop
     from jaxtrain.fault.stragglers import job_hosts
     from jaxtrain.fault.watchdog import Watchdog
@@ -332,17 +333,23 @@ def measure_all(process_count: int, *, barrier_timeout_s: Optional[float] = None
     with tempfile.TemporaryDirectory() as output_dir:
         dogs = {p: Watchdog(FaultConfig(), output_dir=output_dir, process_index=p, process_count=P)
                 for p in range(P)}
-        add("watchdog progress (one publish round)", lambda p, kv: dogs[p]._publish(7, "step"),
-            note="every few seconds per process")
-        add("watchdog hang verdict", lambda p, kv: (dogs[p]._progress_of_all(), dogs[p]._declare_and_linger()),
-            note="every process reads all progress, declares, polls the hang directory")
+        add("watchdog progress (one publish round)", lambda p, kv: dogs[p]._publish(),
+            note="every few seconds per process: its heartbeat key, the hang counter")
+        hung = FakeCoordinationService(P)  # a job whose processes all published, then hung
+        simulate("(heartbeats)", P, lambda p, kv: dogs[p]._publish(), service=hung)
+        add("watchdog hang verdict", lambda p, kv: (dogs[p]._job_view(), dogs[p]._declare_and_linger(P)),
+            service=hung, note="process 0 reads every heartbeat and writes the event; the others read process "
+                               "0's heartbeat only; every process declares and polls one counter")
 
     add("preflight turns (CPU)", lambda p, kv: preflight.take_turns(lambda: float(p), TIMEOUT_S,
                                                                     process_index=p, process_count=P, kv=kv))
-    pairs = len(preflight.process_pairs(P))
+    # 8 processes per host (one per GPU of an H100/H200 node), so both intra- and inter-node rounds show.
+    hosts = [f"host{p // 8}" for p in range(P)]
+    rounds = plan_rounds(hosts)
     out.append(Measurement("preflight planning (pair exchanges)", P, 0, 0, 0, 0, 0, 0, 0.0,
-                           programs_compiled=pairs,
-                           note=f"every process compiles and runs each of the {pairs} pair programs"))
+                           programs_compiled=len(rounds),
+                           note=f"8 processes per host: {sum(map(len, rounds))} pairs in {len(rounds)} rounds of "
+                                "disjoint pairs, one program each (a device exchange, no coordinator call)"))
     out.append(Measurement("straggler gather", P, 0, 0, 0, 0, 0, 0, 0.0,
                            note=f"a device all-gather, no coordinator call: each process receives a {16 * P}-byte "
                                 "table (16 bytes per process and local device)"))

@@ -157,12 +157,11 @@ def test_a_preflight_turn_that_never_ends_is_named():
         assert "process(es) [3] never finished its turn" in m.errors[p], m.errors[p]
 
 
-@pytest.mark.xfail(strict=True, reason="preflight compiles and runs one pair-exchange program per ring pair on "
-                                       "every process: O(P) per process, O(P^2) for the job (preflight.py's "
-                                       "measurement, another item)")
 @pytest.mark.parametrize("p", SIZES)
 def test_preflight_planning_compiles_a_constant_number_of_programs_per_process(p):
-    assert measured(p)["preflight planning (pair exchanges)"].programs_compiled <= 16
+    """One program per round of disjoint pairs (formerly one per pair: 1,000 at P = 1,000); the
+    rounds are checked to be matchings that cover each process in tests/fault/test_preflight_plan.py."""
+    assert measured(p)["preflight planning (pair exchanges)"].programs_compiled <= 7
 
 
 def test_bench_prints_one_json_object_per_line():
@@ -178,4 +177,5 @@ def test_bench_prints_one_json_object_per_line():
     assert former["rpcs_total"] == 8 * 9  # what the host barrier cost before: P (P + 1)
     for r in rows:
         assert r["processes"] == 8 and {"rpcs_total", "rpcs_max_per_process"} <= set(r)
-    assert next(r for r in rows if r["operation"].startswith("preflight planning"))["programs_compiled"] == 28
+    # P = 8 on one host: every pair (28) in 7 rounds of 4 disjoint pairs, one program each (formerly 28 programs)
+    assert next(r for r in rows if r["operation"].startswith("preflight planning"))["programs_compiled"] == 7
