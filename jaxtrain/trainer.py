@@ -19,12 +19,13 @@ drills (`chaos.py`), the agreed stop/save decision (`preemption.py`), checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 import jax
 import numpy as np
@@ -177,7 +178,7 @@ class Trainer:
                                      enabled=self.process_index == 0 and write_files)
         self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
                                      self._event)
-        self._blocked_s = 0.0  # this iteration's time blocked on the device (straggler accounting)
+        self._waiting_s = 0.0  # this iteration's time waiting on the device or on peers (straggler accounting)
         self._data_wait_since_log = 0.0  # data wait summed over the steps since the last metrics record
         self._fit_start = self._host_step
         self.watchdog.beat(self._host_step, "idle")  # built: no deadline until fit() runs
@@ -265,14 +266,16 @@ class Trainer:
         if batch_index is not None:
             factor = np.float32(self.chaos.batch_factor(batch_index, self._host_step + 1))
             batch["chaos"] = jax.make_array_from_callback((), self.layout.replicated, lambda _: factor)
-        self.state, metrics = self.compiled_step(self.state, batch)
+        with self._waiting():  # a full queue or a collective can block the dispatch itself
+            self.state, metrics = self.compiled_step(self.state, batch)
         self._host_step += 1
         self._data_wait_since_log += wait
         # Queued before the next step donates this state: eval_loss at step N is of step N's parameters.
         evaluation, eval_s = None, 0.0
         if self.evaluator.due(self._host_step):
             t = time.perf_counter()
-            evaluation = self.evaluator.dispatch(self.state["params"])
+            with self._waiting():
+                evaluation = self.evaluator.dispatch(self.state["params"])
             eval_s = time.perf_counter() - t
         return _Pending(self._host_step, metrics, wait, evaluation, eval_s)
 
@@ -280,10 +283,19 @@ class Trainer:
         """A finished step's metrics as Python values (a host sync on that step, which the loop
         does one step late: by then the device has the next step queued)."""
         if pending.values is None:
-            t = time.perf_counter()
-            pending.values = {k: v.item() for k, v in jax.device_get(pending.metrics).items()}
-            self._blocked_s += time.perf_counter() - t  # waiting for the device (and the other processes)
+            with self._waiting():  # for the device (and, inside its collectives, the other processes)
+                pending.values = {k: v.item() for k, v in jax.device_get(pending.metrics).items()}
         return pending.values
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Time spent here is not this process's own work: the straggler check leaves it out, so
+        that a process waiting on its device or on slower peers is not itself called slow."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waiting_s += time.perf_counter() - t
 
     def _record(self, pending: _Pending) -> dict:
         """The metrics.jsonl record of a finished step."""
@@ -387,7 +399,7 @@ class Trainer:
     def _iteration(self) -> str | None:
         """One turn of the loop: queue step N+1, read step N, let each capability act. Returns a
         reason to stop ("preempted", "rollback_limit") or None."""
-        t0, self._blocked_s = time.perf_counter(), 0.0
+        t0, self._waiting_s = time.perf_counter(), 0.0
         self._skip_rolled_back_batches()
         previous = self._take_pending()
         self.profiler.before_step(self._host_step + 1, self.compiled_step)  # train.profile_steps
@@ -400,17 +412,21 @@ class Trainer:
         if request is not None:
             return None if self._roll_back(request) else "rollback_limit"
         if step == self._fit_start + 1 and self.resumed_from is not None:
-            self._report_resume()
+            with self._waiting():
+                self._report_resume()
         self.chaos.after_step(step, self.state)
         if self.signals.requested and not self.signals.reported:
             self.signals.reported = True
             self.log.event("signal", step, signal=self.signals.requested)
         time_due = self.checkpointer is not None and self.checkpointer.time_due()
-        decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
-        with self.watchdog.phase("checkpoint"):
-            self._maybe_save(step, last=step == self.cfg.train.steps, time_due=decision.save, force=decision.stop)
+        with self._waiting():  # the agreement, and a save's barriers and all-finite check, wait on peers
+            decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
+            with self.watchdog.phase("checkpoint"):
+                self._maybe_save(step, last=step == self.cfg.train.steps, time_due=decision.save, force=decision.stop)
         wall = time.perf_counter() - t0
-        self.stragglers.after_step(step, wall - self._blocked_s, self._pending.data_wait_s, wall)
+        # The first step after a (re)start waits for the slowest process to arrive: not a measure of anyone.
+        if step > self._fit_start + 1:
+            self.stragglers.after_step(step, wall - self._waiting_s, self._pending.data_wait_s, wall)
         return "preempted" if decision.stop else None
 
     def _stop_before_first_step(self) -> bool:

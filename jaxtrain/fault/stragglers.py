@@ -3,12 +3,17 @@
 In a synchronous SPMD job every process's step takes as long as the slowest one's: the others wait
 for it inside the step's collectives. So wall time per step says nothing about who is slow; the
 time each process spends *not* waiting does. The loop measures, per step, this process's busy time
-(the step's wall time minus the time it sat blocked reading the device's results) and its
-data-wait time. Every `fault.straggler_every` steps the per-process means over the window are
-gathered in one tiny device all-gather that is read a step later (`hostcomm.LateAllGather`: no
-per-step synchronisation, the host never waits for it), and a process whose busy time exceeds
-`fault.straggler_factor` x the median (and by at least a tenth of a step: milliseconds are noise)
-is reported in a `straggler` event naming its index and host, with its times. Every process computes the same table, so they agree without talking further.
+(the step's wall time minus every wait that is not its own work: dispatching the step and reading
+its results, which block on the device and, through its collectives, on peers; the preemption
+agreement; a save's barriers and all-finite check; the resume report) and its data-wait time. The
+first step after a start or restart is left out: it measures who arrived first, not who is slow.
+
+Every `fault.straggler_every` steps the per-process means over the window are gathered in one tiny
+device all-gather that is read a step later (`hostcomm.LateAllGather`: no per-step
+synchronisation, the host never waits for it), and a process whose busy time exceeds
+`fault.straggler_factor` x the median of the *other* processes (and by at least a tenth of a step:
+milliseconds are noise) is reported in a `straggler` event naming its index and host, with its
+times. Every process computes the same table, so they agree without talking further.
 
 What this sees: slow hosts (CPU contention, a slow input pipeline, swapping, a throttled host
 process). A slow accelerator shows as everyone's wait inside the collectives instead: the
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import socket
-import statistics
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -63,17 +67,36 @@ class Stragglers:
             self._busy, self._wait, self._wall = [], [], []
 
     def _judge(self, step: int, table: np.ndarray) -> None:
-        busy = table[:, 0]
-        median = statistics.median(busy.tolist())
-        wall = statistics.median(table[:, 3].tolist())
-        for process, (b, w, n, _) in enumerate(table):
-            # Slower than factor x the median, and by enough to matter: a few milliseconds of extra
-            # logging on process 0 are not what makes a job wait.
-            if median > 0 and b > self.factor * median and b - median > MIN_COST * wall:
-                self.reports[process] += 1
-                self.event("straggler", step, process=process, host=self.hosts[process], busy_s=round(float(b), 4),
-                           median_busy_s=round(float(median), 4), data_wait_s=round(float(w), 4), steps=int(n),
-                           factor=round(float(b / median), 2), reports=self.reports[process])
+        for process, reference in slow_processes(table[:, 0], table[:, 3], self.factor):
+            b, w, n, _ = table[process]
+            self.reports[process] += 1
+            self.event("straggler", step, process=process, host=self.hosts[process], busy_s=round(float(b), 4),
+                       median_busy_s=round(float(reference), 4), data_wait_s=round(float(w), 4), steps=int(n),
+                       factor=round(float(b / reference), 2) if reference > 0 else None,
+                       reports=self.reports[process])
+
+
+def slow_processes(busy: np.ndarray, wall: np.ndarray, factor: float) -> list[tuple[int, float]]:
+    """The stragglers of one window: (process, reference busy seconds) for each process busier than
+    `factor` x the median of the *other* processes, and by at least MIN_COST of a step.
+
+    The reference leaves the candidate out: with the candidate in, two processes' median is their
+    mean, which no process can exceed twice over (so factor 2 could never name anyone), and with
+    three or four processes one slow value drags the median towards itself.
+    """
+    busy = np.asarray(busy, np.float64)
+    step = float(np.median(wall))
+    named = []
+    for process, b in enumerate(busy):
+        others = np.delete(busy, process)
+        if others.size == 0:
+            continue
+        reference = float(np.median(others))
+        # Slower by the factor, and by enough to matter: a few milliseconds of extra logging on
+        # process 0 are not what makes a job wait (and a reference near 0 makes any ratio huge).
+        if b > factor * reference and b - reference > MIN_COST * step:
+            named.append((process, reference))
+    return named
 
 
 def job_hosts(process_index: int, process_count: int, timeout_s: float = 120.0, *, kv: Any = None,
