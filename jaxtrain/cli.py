@@ -14,6 +14,7 @@ import time
 
 _STARTED_AT = time.time()  # before JAX is imported: restart_to_first_step_s counts from here
 
+from jaxtrain import env  # noqa: E402
 from jaxtrain.arguments import Parser, add_run_arguments, parse, train_parser  # noqa: E402
 from jaxtrain.checkpoint.storage import TransientStorageError  # noqa: E402  (no JAX import)
 from jaxtrain.config import ConfigError  # noqa: E402
@@ -185,7 +186,8 @@ def _preflight(argv: list[str]) -> int:
     from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
     validate_against_devices(cfg, jax.device_count(), jax.process_count())
     mesh = build_mesh(cfg.mesh, jax.devices())
-    report = run_preflight(cfg, mesh, job_hosts(jax.process_index(), jax.process_count()), lambda *a, **k: None)
+    hosts = job_hosts(jax.process_index(), jax.process_count(), host=env.host_name())
+    report = run_preflight(cfg, mesh, hosts, lambda *a, **k: None)
     if jax.process_index() == 0:
         if args.json:
             print(json.dumps(report))

@@ -234,9 +234,25 @@ class ChaosConfig:
     # `jaxtrain launch` (kept when other slots are isolated), else the process index.
     crash_process: int = -1  # the slot that crashes (exit 1) on every attempt (-1 = none)
     crash_at_step: int = 0  # 0: at start-up, before the first step; N: right after the first step >= N an attempt runs
-    # A bad link: the preflight exchange between these two processes ([i, j]) takes slow_link_seconds longer.
+    # Bad links: the preflight exchanges of these process pairs take slow_link_seconds longer. One pair
+    # [i, j], or several [[i, j], ...] (a bad network card: every pair touching one process).
     slow_link: list = dataclasses.field(default_factory=list)
     slow_link_seconds: float = 0.0
+
+    def slow_link_pairs(self) -> list[tuple[int, int]]:
+        """`slow_link` as (i, j) pairs: [i, j] is one pair, [[i, j], ...] several."""
+        links = self.slow_link
+        if not links:
+            return []
+        return [tuple(p) for p in (links if isinstance(links[0], list) else [links])]
+
+    def slow_link_ends(self) -> dict[str, int]:
+        """Every process `slow_link` names, by where it is written (`chaos.slow_link[1]` of one pair,
+        `chaos.slow_link[2][0]` of a list of pairs): for checking them against the job's size."""
+        links = self.slow_link
+        if links and isinstance(links[0], list):
+            return {f"chaos.slow_link[{k}][{e}]": p for k, pair in enumerate(links) for e, p in enumerate(pair)}
+        return {f"chaos.slow_link[{k}]": p for k, p in enumerate(links)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -549,10 +565,11 @@ def validate(cfg: Config) -> None:
                        "train.eval_every": t.eval_every}.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
-    if ch.slow_link and not (len(ch.slow_link) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                         for x in ch.slow_link) and ch.slow_link[0] != ch.slow_link[1]):
+    links = [ch.slow_link] if ch.slow_link and not isinstance(ch.slow_link[0], list) else ch.slow_link
+    if not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
+               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p) for p in links):
         raise ConfigError(f"config key 'chaos.slow_link' must be two different process indices [i, j], "
-                          f"got {ch.slow_link!r}")
+                          f"or a list of such pairs [[i, j], ...]; got {ch.slow_link!r}")
     if ch.crash_process < -1:
         raise ConfigError(f"config key 'chaos.crash_process' must be a slot number >= 0 or -1 (none), got {ch.crash_process}")
     ps = t.profile_steps

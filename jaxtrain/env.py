@@ -25,7 +25,12 @@ SLOT = "JAXTRAIN_SLOT"  # the launcher slot a process runs in; kept when another
 SLURM_STATE = "JAXTRAIN_SLURM_STATE"  # folder of the job's attempts and failures
 EXITS = "JAXTRAIN_EXITS"  # per-attempt file: one "time task node exit-code" line per task
 
-ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS)
+# Tests: the host name this process reports in the job's host table (`stragglers.job_hosts`), in
+# place of socket.gethostname(), so that processes on one machine can stand for several nodes
+# (the preflight verdict compares intra-node with intra-node links). Never set on a cluster.
+HOST = "JAXTRAIN_HOST"
+
+ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS, HOST)
 
 # Settings of the setup scripts themselves, never read by a jaxtrain process.
 SCRIPT_SETTINGS = (
@@ -43,3 +48,8 @@ def launcher_slot(environ: os._Environ | dict = os.environ) -> int | None:
     """The `jaxtrain launch` slot of this process, or None outside the launcher."""
     value = environ.get(SLOT, "")
     return int(value) if value else None
+
+
+def host_name(environ: os._Environ | dict = os.environ) -> str | None:
+    """The host name this process stands for (JAXTRAIN_HOST), or None: the machine's own."""
+    return environ.get(HOST) or None

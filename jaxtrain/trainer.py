@@ -158,7 +158,7 @@ class Trainer:
         self.guard = SpikeGuard(cfg, self._event)
         try:
             self.chaos.at_start()
-            self.hosts = job_hosts(self.process_index, self.process_count)
+            self.hosts = job_hosts(self.process_index, self.process_count, host=env.host_name())
             self._restore_or_init(write_files)
         except BaseException:
             self.watchdog.stop()  # a user error (exit 2) is not a hang

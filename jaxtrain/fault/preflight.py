@@ -7,14 +7,18 @@ Three measurements, each the best of a few timed repetitions after a warm-up:
    timed together, each would measure its neighbours' load, not its own devices;
 2. collective bandwidth over each mesh axis of size > 1: an all-reduce and an all-gather, timed
    on the whole job, so a slow network shows as a slow axis;
-3. pairwise bandwidth between processes: a two-way exchange between the first devices of each pair
-   of processes (every pair up to 16 processes, ring neighbours beyond), so one bad link is named
-   rather than a slow job. Only the two ends of a pair time it (the slower end's figure counts), and
-   a pair is slow against the median of all pairs, so naming a link needs 3 or more processes.
-The per-process numbers are gathered (`hostcomm.LateAllGather`) and compared with the median: a
-process whose matmul rate, or a pair whose bandwidth, is below `fault.preflight_factor` x the
-median is named in the `preflight` event, with every number. `fault.preflight_action: exit` makes
-a named process stop the job with exit 75, so the scheduler replaces the node.
+3. pairwise bandwidth between processes: rounds of two-way exchanges between disjoint pairs of
+   processes (`preflight_plan.plan_rounds`: every pair up to 8 processes, a few rings beyond, at
+   most 7 rounds whatever P), each round one compiled program in which every matched pair swaps a
+   buffer over all its devices at once (device r of one with device r of the other: every NIC
+   rail of a GPU node). Only the two ends of a pair time it (the slower end's figure counts).
+The per-process numbers are gathered (`hostcomm.LateAllGather`), so every process reaches the
+same verdict: a process whose matmul rate is below `fault.preflight_factor` x the median is named;
+links are judged by `preflight_plan.verdict` (intra-node pairs against intra-node ones, inter-node
+against inter-node; a process by the median of its own pairs against the pairs not touching it;
+a pair against the pairs touching no named process). The `preflight` event has every number.
+`fault.preflight_action: exit` makes a named process stop the job with exit 75, so the scheduler
+replaces the node.
 
 Runs before training on multi-process jobs (`fault.preflight`), and on its own as
 `jaxtrain preflight --config ...` (any process count).
@@ -22,7 +26,6 @@ Runs before training on multi-process jobs (`fault.preflight`), and on its own a
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from typing import Any, Callable
@@ -35,8 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client, next_call, wait_key
 from jaxtrain.config import Config
 from jaxtrain.fault.hostcomm import LateAllGather
-
-MAX_ALL_PAIRS = 16  # beyond this many processes, only ring neighbours are paired (P*(P-1)/2 grows fast)
+from jaxtrain.fault.preflight_plan import plan_rounds, verdict
 
 
 def _best_time(fn: Callable[[], Any], repeats: int, slow_s: float = 0.0, min_total_s: float = 0.0) -> float:
@@ -138,35 +140,70 @@ def axis_bandwidth(mesh: Mesh, axis: str, mbytes: float, repeats: int) -> dict[s
             "all_gather_gbps": nbytes * (n - 1) / t_gather / 1e9}
 
 
-def process_pairs(count: int) -> list[tuple[int, int]]:
-    """Every pair of processes up to MAX_ALL_PAIRS processes, ring neighbours beyond."""
-    if count <= MAX_ALL_PAIRS:
-        return list(itertools.combinations(range(count), 2))
-    return sorted({tuple(sorted((p, (p + 1) % count))) for p in range(count)})
+CPU_EXCHANGE_REPEATS = 10
 
 
-def pair_bandwidths(mbytes: float, repeats: int, slow_link: tuple[int, int] | None = None,
-                    slow_s: float = 0.0) -> np.ndarray:
-    """GB/s of a two-way exchange between the first devices of each pair of processes, as this
-    process saw it: one entry per `process_pairs`, NaN for pairs it is not an end of (its clock says
-    nothing about them). `slow_link`/`slow_s`: the chaos drill of one bad link."""
-    count, me = jax.process_count(), jax.process_index()
-    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
-    mesh = Mesh(np.array(firsts), ("process",))
+def exchange_mesh(devices: list[jax.Device] | None = None) -> Mesh:
+    """Every device of the job as a (process, rail) mesh: row p holds process p's devices by id,
+    so column r is every process's r-th device (its r-th NIC rail on a GPU node). With unequal
+    device counts, each process's first min-count devices."""
+    devices = jax.devices() if devices is None else devices
+    rows: dict[int, list[jax.Device]] = {}
+    for d in sorted(devices, key=lambda d: d.id):
+        rows.setdefault(d.process_index, []).append(d)
+    rails = min(len(r) for r in rows.values())
+    return Mesh(np.array([rows[p][:rails] for p in sorted(rows)]), ("process", "rail"))
+
+
+def exchange_program(mesh: Mesh, matching: list[tuple[int, int]]) -> Callable[[jax.Array], jax.Array]:
+    """One round's program: every matched pair of processes swaps a buffer over every rail at
+    once (device (i, r) <-> (j, r)); unmatched processes receive zeros. Rows of `mesh` index
+    processes as `matching` does (a process's row in `exchange_mesh`)."""
+    perm = [(i, j) for i, j in matching] + [(j, i) for i, j in matching]
+    spec = P("process", "rail")
+    return jax.jit(jax.shard_map(lambda b: jax.lax.ppermute(b, "process", perm), mesh=mesh, in_specs=spec,
+                                 out_specs=spec))
+
+
+def exchange_buffer(mesh: Mesh, mbytes: float) -> jax.Array:
+    """`mbytes` MiB of float32 ones on each device of `mesh`, shaped (process, rail, n)."""
     per_device = max(1, int(mbytes * 2**20 / 4))
-    local = [d for d in firsts if d.process_index == me]
-    x = jax.make_array_from_single_device_arrays(
-        (count, per_device), NamedSharding(mesh, P("process")),
-        [jax.device_put(jnp.ones((1, per_device), jnp.float32), d) for d in local])
-    out = np.full(len(process_pairs(count)), np.nan)
-    for k, (i, j) in enumerate(process_pairs(count)):
-        swap = jax.jit(jax.shard_map(lambda b: jax.lax.ppermute(b, "process", [(i, j), (j, i)]), mesh=mesh,
-                                     in_specs=P("process"), out_specs=P("process")))
-        slow = slow_s if slow_link == (i, j) else 0.0
-        seconds = _best_time(lambda: swap(x), repeats, slow)  # every process takes part in every exchange
-        if me in (i, j):
-            out[k] = 2 * per_device * 4 / seconds / 1e9
+    sharding = NamedSharding(mesh, P("process", "rail"))
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return jax.make_array_from_single_device_arrays(
+        (*mesh.devices.shape, per_device), sharding,
+        [jax.device_put(jnp.ones((1, 1, per_device), jnp.float32), d) for d in local])
+
+
+def round_bandwidths(rounds: list[list[tuple[int, int]]], mbytes: float, repeats: int,
+                     slow_links: set[tuple[int, int]] = frozenset(), slow_s: float = 0.0,
+                     mesh: Mesh | None = None, process_index: int | None = None) -> np.ndarray:
+    """GB/s per rail of this process's exchange in each round (one compiled program per round, over
+    every local device), as this process's clock saw it; NaN for rounds it sits out. Collective:
+    every process runs every round. `slow_links`/`slow_s`: the chaos drill of bad links (the two
+    ends of a listed pair wait `slow_s` after each exchange of it).
+
+    `mesh`, `process_index`: the (process, rail) mesh (`exchange_mesh()` by default) and whose
+    rounds to time (this process; a single-process test passes a row of its own mesh)."""
+    mesh = exchange_mesh() if mesh is None else mesh
+    me = jax.process_index() if process_index is None else process_index
+    x = exchange_buffer(mesh, mbytes)
+    nbytes = x.shape[-1] * 4
+    out = np.full(len(rounds), np.nan)
+    for k, matching in enumerate(rounds):
+        swap = exchange_program(mesh, matching)
+        partner = next((i + j - me for i, j in matching if me in (i, j)), None)
+        slow = slow_s if partner is not None and (min(me, partner), max(me, partner)) in slow_links else 0.0
+        seconds = _best_time(lambda: swap(x), repeats, slow)  # the same number of calls on every process
+        if partner is not None:
+            out[k] = 2 * nbytes / seconds / 1e9
     return out
+
+
+def pair_table(rounds: list[list[tuple[int, int]]], table: np.ndarray) -> dict[tuple[int, int], float]:
+    """Per-pair GB/s from the gathered per-process, per-round figures (`table[p, k]`: process p in
+    round k): a pair's bandwidth is what the slower of its two ends measured."""
+    return {(i, j): float(np.nanmin(table[[i, j], k])) for k, matching in enumerate(rounds) for i, j in matching}
 
 
 def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[..., None], *,
@@ -183,34 +220,38 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
                                 timeout_s=cfg.checkpoint.barrier_timeout_s)
     axes = {a: axis_bandwidth(mesh, a, mbytes, repeats) for a in mesh.axis_names if mesh.shape[a] > 1}
     pairs: dict[tuple[int, int], float] = {}
+    rounds = plan_rounds(hosts) if count > 1 else []
+    rails = len(mesh.local_devices)
     if count > 1:
-        link = tuple(sorted(c.slow_link)) if len(c.slow_link) == 2 else None
-        seen = pair_bandwidths(mbytes, repeats, link, c.slow_link_seconds)
+        xmesh = exchange_mesh()
+        rails = xmesh.shape["rail"]
+        slow_links = {(min(i, j), max(i, j)) for i, j in c.slow_link_pairs()}
+        # On the CPU the processes of one machine share its cores: the best of more exchanges
+        # filters out their load (an exchange takes milliseconds there).
+        seen = round_bandwidths(rounds, mbytes, max(repeats, CPU_EXCHANGE_REPEATS) if cpu else repeats, slow_links,
+                                c.slow_link_seconds, xmesh)
         gather = LateAllGather(mesh)
         gather.start(0, np.concatenate([[mine], seen]))
-        table = gather.result(1)  # (process, 1 + pairs): the same numbers on every process
+        table = gather.result(1)  # (process, 1 + rounds): the same numbers on every process
         matmul = table[:, 0].tolist()
-        # A pair's bandwidth is what the slower of its two ends measured.
-        pairs = {pair: float(np.nanmin(table[:, 1 + k])) for k, pair in enumerate(process_pairs(count))}
+        pairs = dict(sorted(pair_table(rounds, table[:, 1:]).items()))
     else:
         matmul = [mine]
     factor = cfg.fault.preflight_factor
     median_matmul = statistics.median(matmul)
-    named = [p for p, v in enumerate(matmul) if v < factor * median_matmul]
-    slow_pairs = []
-    if pairs:
-        median_pair = statistics.median(pairs.values())
-        slow_pairs = [list(p) for p, v in pairs.items() if v < factor * median_pair]
-        # A process at an end of more than one slow pair is the likely owner of the bad link (its
-        # network card): it is named too. One slow pair alone names no process, only the link.
-        ends = [p for pair in slow_pairs for p in pair]
-        named += sorted({p for p in ends if ends.count(p) > 1 and p not in named})
+    slow_devices = [p for p, v in enumerate(matmul) if v < factor * median_matmul]
+    links = verdict(pairs, hosts, factor)  # per-process and per-pair, intra-node and inter-node apart
+    named = sorted(set(slow_devices) | set(links["named"]))
+    slow_pairs = links["slow_pairs"]
     report = {"processes": count, "hosts": hosts, "matmul_tflops": [round(v, 4) for v in matmul],
               "median_matmul_tflops": round(median_matmul, 4),
               "axes_gbps": {a: {k: round(v, 3) for k, v in b.items()} for a, b in axes.items()},
               "pairs_gbps": {f"{i}-{j}": round(v, 3) for (i, j), v in pairs.items()},
               "factor": factor, "named": sorted(named), "named_hosts": [hosts[p] for p in sorted(named)],
               "slow_pairs": slow_pairs, "slow_pair_hosts": [[hosts[i], hosts[j]] for i, j in slow_pairs],
+              "named_for_links": links["named"],
+              "reference_gbps": {k: round(v, 3) for k, v in links["reference_gbps"].items()},
+              "rounds": len(rounds), "rails": rails,
               "action": cfg.fault.preflight_action}
     event("preflight", 0, **report)
     return report

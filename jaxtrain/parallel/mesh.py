@@ -63,7 +63,7 @@ def validate_against_devices(cfg: Config, num_devices: int, num_processes: int =
               "chaos.slow_process": (c.slow_process, c.slow_seconds > 0 or c.start_delay_s > 0),
               "chaos.hang_process": (c.hang_process, c.hang_at_step >= 0),
               "chaos.raise_process": (c.raise_process, c.raise_at_step >= 0),
-              **{f"chaos.slow_link[{k}]": (p, True) for k, p in enumerate(c.slow_link)}}
+              **{key: (p, True) for key, p in c.slow_link_ends().items()}}
     if not under_launcher:  # under `jaxtrain launch` it is a slot, which may be an isolated one
         drills["chaos.crash_process"] = (c.crash_process, c.crash_process >= 0)
     for key, (process, enabled) in drills.items():

@@ -1,0 +1,95 @@
+"""The preflight verdict on real multi-process jobs: `jaxtrain preflight` as 3 or 4 local processes
+(gloo on the CPU, 2 simulated devices each, so every rail of a process is exchanged).
+
+A bad network card is `chaos.slow_link` on every pair touching one process. Nodes are simulated
+with JAXTRAIN_HOST (the host name a process reports in the job's host table); the slower
+inter-node network with `chaos.slow_link` on every inter-node pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import env as jaxtrain_env
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs/tiny.yaml")
+DEVICES = 2  # per process
+SLOW_S = 0.05  # a bad link's extra time per exchange (an exchange of 1 MiB takes a few ms here)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def preflight_job(hosts: list[str], *overrides: str, timeout: int = 240) -> dict:
+    """Run `jaxtrain preflight --json` as len(hosts) processes, process p reporting host hosts[p];
+    return process 0's report."""
+    count, port = len(hosts), free_port()
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAXTRAIN_")}
+    base.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+                 "PYTHONPATH": os.pathsep.join(sys.path)})
+    procs = []
+    for p, host in enumerate(hosts):
+        e = {**base, jaxtrain_env.COORDINATOR: f"127.0.0.1:{port}", jaxtrain_env.NUM_PROCESSES: str(count),
+             jaxtrain_env.PROCESS_ID: str(p), jaxtrain_env.HOST: host}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jaxtrain.cli", "preflight", "--config", TINY, "--cpu-devices", str(DEVICES),
+             "--json", f"data.global_batch_size={2 * count * DEVICES}", "fault.startup_timeout_s=120", *overrides],
+            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+def touching(process: int, count: int) -> str:
+    return json.dumps([sorted([process, q]) for q in range(count) if q != process])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("count, bad", [(3, 1), (4, 2)])
+def test_a_bad_network_card_is_named(count, bad):
+    """Every pair touching `bad` is slow: among 3 processes that is 2 of the 3 pairs, so the median
+    pair is a slow one (what the former rule compared with, naming nothing)."""
+    hosts = [f"node{p}" for p in range(count)]
+    r = preflight_job(hosts, f"chaos.slow_link={touching(bad, count)}", f"chaos.slow_link_seconds={SLOW_S}")
+    # `named` also holds the matmul verdict, which the load of a shared 2-core machine can trip
+    assert r["named_for_links"] == [bad] and bad in r["named"], r
+    assert r["slow_pairs"] == [sorted([bad, q]) for q in range(count) if q != bad], r
+    assert set(r["pairs_gbps"]) == {f"{i}-{j}" for i, j in itertools.combinations(range(count), 2)}
+    assert r["rails"] == DEVICES and r["rounds"] == 3  # 3 rounds of disjoint pairs, one program each
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_healthy_nodes_with_a_slower_network_name_nobody():
+    """2 nodes x 2 processes; the inter-node pairs 10x slower than the intra-node ones (as a
+    network is next to NVLink): each class is compared with itself, no link and no process is
+    named for its links (`named` also holds the matmul verdict, which the load of a shared 2-core
+    machine can trip)."""
+    hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
+    inter = [[i, j] for i, j in itertools.combinations(range(4), 2) if hosts[i] != hosts[j]]
+    r = preflight_job(hosts, f"chaos.slow_link={json.dumps(inter)}", f"chaos.slow_link_seconds={SLOW_S}")
+    assert r["hosts"] == hosts
+    assert r["named_for_links"] == [] and r["slow_pairs"] == [], r
+    ref = r["reference_gbps"]
+    assert ref["intra_node"] > 3 * ref["inter_node"], ref  # the two classes really differ
