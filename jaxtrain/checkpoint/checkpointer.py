@@ -21,7 +21,7 @@ from etils import epath
 from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, fsync_tree, is_local, latest_good, list_files,
                                         scan, to_path, write_atomic)
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client as _client
-from jaxtrain.checkpoint.storage import check_access, split_url
+from jaxtrain.checkpoint.storage import TransientStorageError, check_access, is_transient, split_url
 from jaxtrain.config import CheckpointConfig, ConfigError
 
 EventFn = Callable[..., None]  # on_event(kind: str, step: int, **details)
@@ -492,10 +492,17 @@ class Checkpointer:
         self._join()
         self._drain_events()
         folder = self.directory / str(step)
-        good, reason, _ = check_checkpoint(folder)
-        if not good:
-            raise CheckpointError(f"checkpoint {folder} cannot be restored: {reason}")
-        _check_compatible(folder, abstract_state)
+        # Process 0 checks and every process gets its verdict: one listing per restart instead of P,
+        # and a transient error or a stale view on one process cannot make it raise alone while
+        # the others wait out the barrier below.
+        verdict = self._agree(f"restore {step}", lambda: _restore_verdict(folder, abstract_state))
+        kind, _, message = verdict.partition(":")
+        if kind == "damaged":
+            raise CheckpointError(message)
+        if kind == "mismatch":
+            raise ConfigError(message)
+        if kind == "transient":
+            raise TransientStorageError(message)
         self._barrier(f"restore {step}")
         out = self._orbax.restore(folder, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(abstract_state, ocp.checkpoint_utils.construct_restore_args(abstract_state)),
@@ -598,6 +605,22 @@ def _resolve_folder(path: str) -> epath.Path:
     if step is None:
         raise ConfigError(f"checkpoint.init_from='{path}' holds no committed checkpoint")
     return root / str(step)
+
+
+def _restore_verdict(folder: epath.Path, abstract_state: Any) -> str:
+    """Process 0's verdict on restoring `folder`: "ok", or "damaged:", "mismatch:" (names or shapes
+    differ: a user error) or "transient:" (the store gave no definite answer) and one line."""
+    try:
+        good, reason, _ = check_checkpoint(folder)
+        if not good:
+            return f"damaged:checkpoint {folder} cannot be restored: {reason}"
+        _check_compatible(folder, abstract_state)
+    except ConfigError as e:
+        return f"mismatch:{e}"
+    except Exception as e:  # every process raises the same, instead of process 0 alone
+        kind = "transient" if is_transient(e) else "damaged"
+        return f"{kind}:checking checkpoint {folder} failed: {type(e).__name__}: {e}"
+    return "ok"
 
 
 def restore_params_only(path: str, abstract_params: Any) -> Any:

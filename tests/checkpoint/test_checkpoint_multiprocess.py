@@ -89,6 +89,19 @@ def test_barrier_timeout_names_the_missing_process(tmp_path):
     assert "process(es) [1] of 2 never arrived" in message and "timed out after 2 s" in message
 
 
+@pytest.mark.multiprocess
+def test_restore_is_checked_once_by_process_0_for_all(tmp_path):
+    """Process 1's view of the checkpoint folder is stale (its listing says "not committed"): it
+    must not raise alone while process 0 waits at the barrier; process 0's check decides for all.
+    Then process 0's listing fails with a throttling error: every process raises the same
+    TransientStorageError (restart me), none waits out a timeout."""
+    with Checkpointer(str(tmp_path / "ck"), cfg()) as ck:
+        assert ck.save(5, to_device(host_state(seed=5), mesh_of(2, 2, 2)), {})
+    outputs = run_workers("verdict", str(tmp_path / "ck"), timeout=90)
+    for out in outputs:
+        assert "RESTORED OK" in out and "BOTH TRANSIENT" in out, out[-3000:]
+
+
 def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
     import jax
 
@@ -135,6 +148,27 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         after_2, after_12 = save_some(range(1, 3)), save_some(range(3, 13))
         print(f"KEYS {after_2} {after_12}", flush=True)
         ck.close()
+
+    elif mode == "verdict":
+        from jaxtrain.checkpoint import checkpointer as module
+        from jaxtrain.checkpoint.storage import TransientStorageError
+        real = module.check_checkpoint
+        if pid == 1:  # a stale view of the shared folder (the environment, not the code under test)
+            module.check_checkpoint = lambda folder: (False, "no commit marker (stale view)", None)
+        ck = Checkpointer(dirs[0], cfg(), barrier_timeout_s=20)
+        state, _ = ck.restore(5, abstract(host_state(0), mesh_of(1, 4, 2)))
+        assert matches(state, host_state(seed=5))
+        print("RESTORED OK", flush=True)
+
+        def throttled(folder):
+            raise OSError("503 SlowDown: please reduce your request rate")
+        module.check_checkpoint = throttled if pid == 0 else real
+        t = time.monotonic()
+        try:
+            ck.restore(5, abstract(host_state(0), mesh_of(1, 4, 2)))
+        except TransientStorageError as e:
+            assert time.monotonic() - t < 15 and "SlowDown" in str(e), e
+            print("BOTH TRANSIENT", flush=True)
 
     elif mode == "absent":
         done = os.path.join(dirs[0], "done")
