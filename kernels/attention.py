@@ -61,9 +61,19 @@ def available_implementations(platform: str | None = None) -> tuple[str, ...]:
     return ("xla",)
 
 
-def _auto(platform: str, available: tuple[str, ...]) -> str:
+# cuDNN's fused attention has no fp32 path (jax.nn.dot_product_attention refuses it).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _cudnn_takes(dtype) -> bool:
+    return dtype is None or jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in CUDNN_DTYPES)
+
+
+def _auto(platform: str, available: tuple[str, ...], dtype) -> str:
     if platform == "gpu":
         preference = (AUTO_GPU_IMPLEMENTATION, "triton", "cudnn", "xla")
+        if not _cudnn_takes(dtype):  # fp32 without triton: XLA, not a cuDNN call that refuses fp32
+            preference = tuple(name for name in preference if name != "cudnn")
     elif platform == "tpu":
         preference = ("pallas", "xla")
     else:  # CPU and anything else: interpret-mode Pallas is for tests, not speed.
@@ -71,28 +81,35 @@ def _auto(platform: str, available: tuple[str, ...]) -> str:
     return next(name for name in preference if name in available)
 
 
-def resolve_implementation(name: str, platform: str | None = None) -> str:
-    """Validates an implementation name for a platform and resolves 'auto'.
+def resolve_implementation(name: str, platform: str | None = None, dtype=None,
+                           available: tuple[str, ...] | None = None) -> str:
+    """Validates an implementation name for a platform and input dtype, and resolves 'auto'.
 
-    The trainer calls this on `model.attention` before training so a bad choice fails at startup.
+    The one place that decides which implementation runs: `flash_attention` calls it with the
+    inputs' dtype, and the trainer (through `jaxtrain.model.attention`) with the precision
+    policy's compute dtype before training, so a bad choice fails at startup.
 
     Args:
       name: one of IMPLEMENTATIONS.
       platform: 'cpu', 'gpu' (or 'cuda'), 'tpu'; None = jax.default_backend().
+      dtype: dtype of q/k/v; None = not known (no dtype rule applies). 'auto' never picks
+        cuDNN for a dtype it refuses (fp32), and an explicit 'cudnn' with one is an error.
+      available: the implementations that can run here; None = `available_implementations(platform)`
+        (what is installed). Tests pass a fake list to play another machine.
 
     Returns:
       The concrete implementation to run ('xla', 'pallas', 'triton' or 'cudnn').
 
     Raises:
-      ValueError: unknown name, or not available on this platform (the message names the
-        implementation, the platform and what is available).
+      ValueError: unknown name, not available on this platform (the message names the
+        implementation, the platform and what is available), or 'cudnn' with fp32.
     """
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {name!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     platform = _platform(platform)
-    available = available_implementations(platform)
+    available = available_implementations(platform) if available is None else tuple(available)
     if name == "auto":
-        return _auto(platform, available)
+        return _auto(platform, available, dtype)
     if name not in available:
         hint = ""
         if name == "triton" and platform == "gpu":
@@ -105,6 +122,9 @@ def resolve_implementation(name: str, platform: str | None = None) -> str:
             f"attention implementation {name!r} is not available on platform {platform!r}{hint}; "
             f"available: {', '.join(('auto',) + available)}"
         )
+    if name == "cudnn" and not _cudnn_takes(dtype):
+        raise ValueError(f"attention implementation 'cudnn' takes bf16 or fp16 inputs, not {jnp.dtype(dtype).name}; "
+                         "use a bf16/fp16 precision policy, or 'auto'/'xla'")
     return name
 
 
@@ -136,12 +156,11 @@ def flash_attention(
       [B, L, N, H] in q's dtype. A row that sees no key is 0, and so are its gradients.
 
     Raises:
-      ValueError: bad shapes, or an implementation not available on this platform.
+      ValueError: bad shapes, an implementation not available on this platform, or 'cudnn'
+        with fp32 inputs ('auto' never picks cuDNN for fp32).
     """
     check_attention_inputs(q, k, v, segment_ids)
-    name = resolve_implementation(implementation)
-    if implementation == "auto" and name == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
-        name = "xla"  # cuDNN attention has no fp32 path; an explicit "cudnn" still fails loudly
+    name = resolve_implementation(implementation, dtype=q.dtype)
     if name == "xla":
         return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
     if name == "pallas":

@@ -2,47 +2,92 @@
 that XLA cannot partition runs on each device's shard.
 
 `resolve_attention` turns `model.attention` (`auto`, `xla`, `pallas`, `triton`, `cudnn`) into the
-implementation for this platform and refuses a rules table under which a per-shard kernel would
-compute something else. `attend` is the causal attention the decoder calls.
+implementation for this platform, compute dtype and set of installed libraries, and refuses a
+rules table under which a per-shard kernel would compute something else. `attend` is the causal
+attention the decoder calls; it resolves `auto` by the same rule (`kernels.resolve_implementation`)
+with the dtype it is traced with, so the model and the startup check agree.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 
 import kernels
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.parallel.sharding import KERNEL_WHOLE_AXES, Partitioning, check_attention_layout
 
+# `precision.policy` -> the dtype q/k/v have in the model (jaxtrain.train.precision.compute_dtype,
+# which this layer may not import).
+_POLICY_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
-def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int]) -> str:
-    """`model.attention` resolved for this platform and checked against the rules table.
 
+def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int], *, dtype=None,
+                      available: tuple[str, ...] | None = None) -> str:
+    """`model.attention` resolved for this platform and dtype, and checked against the rules table.
+
+    Args:
+      cfg: the config (`model.attention`, `precision.policy`, `mesh.rules`).
+      platform: 'cpu', 'gpu', 'tpu' (the devices' platform).
+      mesh_sizes: resolved mesh axis sizes.
+      dtype: dtype of q/k/v; None = `precision.policy`'s compute dtype.
+      available: implementations that can run here; None = what is installed
+        (`kernels.available_implementations`). Tests pass a list to play another machine.
     Raises:
-      ConfigError: not available here, or a rules table under which the kernel would be wrong.
+      ConfigError: not available here, cuDNN with fp32, or a rules table under which the kernel
+        would be wrong.
     """
+    dtype = _POLICY_DTYPES[cfg.precision.policy] if dtype is None else dtype
     try:
-        implementation = kernels.resolve_implementation(cfg.model.attention, platform)
+        implementation = kernels.resolve_implementation(cfg.model.attention, platform, dtype, available)
     except ValueError as e:
         raise ConfigError(f"model.attention={cfg.model.attention}: {e}") from None
     check_attention_layout(cfg.mesh.rules, mesh_sizes, implementation)
     return implementation
 
 
+def repeat_kv_heads(k_BLKH: jax.Array, num_heads: int, shards: int) -> jax.Array:
+    """k (or v) with each kv head repeated so that `shards` equal head shards line up with q's.
+
+    Query head n reads kv head n // (N/K). With the query heads split `shards` ways, a shard's kv
+    heads are whole only when K divides by `shards`; otherwise each kv head is repeated r times,
+    K·r = lcm(K, shards) (which divides N, as N divides by K and by `shards`): repeated head j is
+    kv head j // r, and query head n now reads repeated head n // (N/(K·r)), the same kv head.
+    Returns k unchanged when no repeat is needed.
+    """
+    K = k_BLKH.shape[2]
+    r = math.lcm(K, shards) // K
+    if r == 1:
+        return k_BLKH
+    assert num_heads % (K * r) == 0, (num_heads, K, shards)  # validated: heads divide by the shards
+    return jnp.repeat(k_BLKH, r, axis=2)
+
+
 @jax.named_scope("attention")  # `jaxtrain profile-summary` counts the ops under this scope as attention
 def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_BL: jax.Array | None,
-           implementation: str, partitioning: Partitioning) -> jax.Array:
+           implementation: str, partitioning: Partitioning, *, platform: str | None = None,
+           available: tuple[str, ...] | None = None) -> jax.Array:
     """Causal grouped-query attention [B, L, N, H] with `model.attention`'s implementation.
 
     `xla` is plain jnp that XLA partitions itself; a kernel is opaque to the partitioner, so it
-    runs per shard (batch and heads are independent; length and head_dim must be whole).
+    runs per shard (batch and heads are independent; length and head_dim must be whole). Inside
+    the kernel call the kv heads are split like the query heads, repeated first when there are
+    fewer kv heads than head shards (`repeat_kv_heads`), so any tensor degree that divides the
+    query heads works. `platform` (None = the mesh's devices, else JAX's default backend) and
+    `available` are for tests, as in `resolve_attention`.
     """
-    implementation = kernels.resolve_implementation(implementation)  # 'auto' -> this platform's best
+    if platform is None:
+        platform = (partitioning.mesh.devices.flat[0].platform if partitioning.mesh is not None
+                    else jax.default_backend())
+    implementation = kernels.resolve_implementation(implementation, platform, q_BLNH.dtype, available)
     run = lambda q, k, v, seg: kernels.flash_attention(q, k, v, causal=True, segment_ids=seg,
                                                        implementation=implementation)
     if implementation == "xla":
         return run(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
-    qkv = ("batch", "length", "heads", "head_dim")
-    kv = ("batch", "length", "kv_heads", "head_dim")
-    return partitioning.per_shard(run, (qkv, kv, kv, ("batch", "length")), qkv,
+    N, shards = q_BLNH.shape[2], partitioning.ways("heads")
+    k_BLKH, v_BLKH = (repeat_kv_heads(x, N, shards) for x in (k_BLKH, v_BLKH))
+    qkv = ("batch", "length", "heads", "head_dim")  # kv heads split exactly like the query heads
+    return partitioning.per_shard(run, (qkv, qkv, qkv, ("batch", "length")), qkv,
                                   whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)

@@ -92,12 +92,12 @@ def validate_against_devices(cfg: Config, num_devices: int, num_processes: int =
                 f"{cfg.pipeline.microbatches} = {rows} per pipeline microbatch is not divisible by the "
                 f"{inner_ways}-way data parallelism inside a stage ({' x '.join(f'{a}={sizes[a]}' for a in inner)}); "
                 "use fewer microbatches or a larger batch")
-    for key in ("heads", "kv_heads"):
-        axis = cfg.mesh.rules.get(key)
-        n = cfg.model.num_heads if key == "heads" else cfg.model.num_kv_heads
-        for a in (axis if isinstance(axis, list) else [axis]):
-            if a is not None and n % sizes[a]:
-                raise ConfigError(
-                    f"model.num_{key}={n} is not divisible by mesh.{a}={sizes[a]} "
-                    f"(mesh.rules maps '{key}' to '{a}'); pick a {a} size that divides it")
+    # Query heads must divide; kv heads need not: fewer kv heads than the tensor degree are
+    # replicated (jaxtrain.parallel.sharding.REPLICATED_WHEN_SMALL), as MaxText does.
+    axis = cfg.mesh.rules.get("heads")
+    for a in (axis if isinstance(axis, list) else [axis]):
+        if a is not None and cfg.model.num_heads % sizes[a]:
+            raise ConfigError(
+                f"model.num_heads={cfg.model.num_heads} is not divisible by mesh.{a}={sizes[a]} "
+                f"(mesh.rules maps 'heads' to '{a}'); pick a {a} size that divides it")
     return sizes

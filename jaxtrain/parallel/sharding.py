@@ -2,7 +2,8 @@
 
 Model code names logical axes (`embed`, `mlp`, `heads`, `kv_heads`, `vocab`, `layers`, `batch`,
 `length`, ...) and never mesh axes. Everything here turns those names into `PartitionSpec`s:
-parameters (with a divisibility check per parameter, never a silent fallback to replication),
+parameters (with a divisibility check per parameter, never a silent fallback to replication, except
+for kv heads fewer than their tensor degree: `REPLICATED_WHEN_SMALL`),
 activations (`Partitioning.constrain`, which the model and the loss receive as an argument) and
 input batches (`global_batch`).
 """
@@ -40,6 +41,21 @@ def _axis_size(mesh: Mesh, entry: Any) -> int:
     return math.prod(mesh.shape[a] for a in entries)
 
 
+# The one logical axis replicated, rather than refused, when its size does not divide its mesh
+# axes: kv heads under a tensor degree above the kv head count (Llama-3-70B's 8 kv heads on 16-way
+# tensor parallelism), as MaxText does. Each device keeps every kv head's weights; attention
+# repeats the heads it needs per shard (jaxtrain.model.attention.attend).
+REPLICATED_WHEN_SMALL = ("kv_heads",)
+
+
+def fitted_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> P:
+    """`logical_to_spec`, with a REPLICATED_WHEN_SMALL dimension that its mesh axes do not divide
+    replicated instead of split unevenly."""
+    spec = logical_to_spec(names, rules)
+    return P(*(None if name in REPLICATED_WHEN_SMALL and size % _axis_size(mesh, entry) else entry
+               for name, size, entry in zip(names, shape, spec)))
+
+
 def param_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
     """NamedShardings for a parameter tree.
 
@@ -50,7 +66,7 @@ def param_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
       ConfigError: a dimension not divisible by the mesh axes it maps to, naming the parameter.
     """
     def one(path, names, leaf):
-        spec = logical_to_spec(names, rules)
+        spec = fitted_spec(names, leaf.shape, mesh, rules)
         for dim, (size, entry) in enumerate(zip(leaf.shape, spec)):
             ways = _axis_size(mesh, entry)
             if size % ways:
@@ -89,7 +105,8 @@ class Partitioning:
         """Sharding constraint on an activation by logical names; a no-op without a mesh."""
         if self.mesh is None:
             return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(names)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, fitted_spec(names, x.shape, self.mesh,
+                                                                                      self.rules)))
 
     def without(self, taken: tuple[str, ...]) -> "Partitioning":
         """The partitioning for code inside vmapped dimensions that own the `taken` mesh axes (one
@@ -142,8 +159,8 @@ def _targets(target: Any) -> list[str]:
 
 
 # Attention kernels see [batch, length, heads, head_dim] blocks: batch and heads are independent,
-# the rest must be whole, and query heads must be split exactly like kv heads (each shard's query
-# heads must find their own kv head among the shard's kv heads).
+# the rest must be whole. Kv heads are split like the query heads inside the kernel call, repeated
+# first where there are fewer of them than shards (jaxtrain.model.attention.attend).
 KERNEL_WHOLE_AXES = ("length", "head_dim")
 
 
@@ -169,10 +186,6 @@ def check_attention_layout(rules: Rules, mesh_sizes: dict[str, int], implementat
                 f"mesh.rules maps '{name}' to {axes(name)}, but model.attention={implementation} runs a fused kernel "
                 f"per shard that must see the whole {name}: each shard would attend only within its chunk. Map "
                 f"'{name}' to null, or use model.attention=xla")
-    if axes("heads") != axes("kv_heads"):
-        raise ConfigError(
-            f"mesh.rules shards 'heads' over {axes('heads')} but 'kv_heads' over {axes('kv_heads')}; with "
-            f"model.attention={implementation} both must map to the same mesh axes (or use model.attention=xla)")
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:

@@ -1,42 +1,73 @@
-"""The model's attention dispatch: a full train step with the Pallas kernel equals the XLA reference."""
+"""The model's attention dispatch: a full train step with the Pallas kernel equals the XLA reference;
+which implementation `auto` picks for a platform, dtype and set of installed libraries.
+
+The sequence (136) is longer than the kernels' 128-row tiles and not a multiple of them, and the
+packed rows put a document across the tile boundary: a tiling bug (a lost tile, wrong causal
+bounds past the first tile, the padded tail) changes the step.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from trees import assert_trees_close, assert_trees_differ
 
+import kernels
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.model.attention import resolve_attention
-from jaxtrain.parallel.sharding import global_batch
+from jaxtrain.model.attention import attend, repeat_kv_heads, resolve_attention
+from jaxtrain.parallel.sharding import Partitioning, global_batch
 from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
 
+L = 136  # > the 128-row default tile, not a multiple of it (padded to 2 tiles)
+assert L > kernels.BlockSizes().block_q and L % kernels.BlockSizes().block_q
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-         "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "data.seq_len=32",
+         "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", f"data.seq_len={L}",
          "data.global_batch_size=4", "optim.warmup_steps=0", "mesh.data=1", "checkpoint.compilation_cache_dir=null"]
+# Document boundaries at 10 and 132: the second document spans the tile boundary at 128.
+BOUNDS = (10, 132)
+
+
+def pack(batch: dict) -> dict:
+    """Packed rows: document boundaries mid-tile and a document across tiles, so the kernel's
+    segment masking and per-document positions are exercised, not just the causal mask."""
+    pos = np.arange(L)
+    segment = np.searchsorted(np.array(BOUNDS), pos, side="right") + 1
+    batch["segment_ids"][:] = segment
+    batch["positions"][:] = pos - np.array((0,) + BOUNDS)[segment - 1]
+    return batch
+
+
+class Packed:
+    """The trainer's data source with every batch packed (its order, position and state untouched)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return pack(next(self.data))
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
 
 
 def run(attention: str, mesh: tuple[str, ...] = (), devices: int = 1, steps: int = 3):
     """(first step's metrics, the gradients it applied, params after `steps` steps) on packed rows."""
     trainer = Trainer(load_config(None, SMALL + [f"model.attention={attention}", *mesh]), write_files=False,
                       devices=jax.devices()[:devices])
-    # Packed rows: a document boundary mid-block (position 10), so the kernel's segment masking
-    # and per-document positions are exercised, not just the causal mask.
-    batches = []
-    for _ in range(steps):
-        batch = next(trainer.data)
-        batch["segment_ids"][:] = np.where(np.arange(32) < 10, 1, 2)
-        batch["positions"][:] = np.where(np.arange(32) < 10, np.arange(32), np.arange(32) - 10)
-        batches.append(batch)
-    first = global_batch({k: batches[0][k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
+    first = pack(next(type(trainer.data)(trainer.cfg, 0, 1)))  # the batch of the trainer's first step
+    first = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)  # the step donates its input
     _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, first)
-    trainer.data = iter(batches)
+    trainer.data = Packed(trainer.data)
     initial = jax.device_get(trainer.state["params"])
-    for _ in range(steps):
-        trainer.step()
+    losses = [trainer.step()["loss"] for _ in range(steps)]
+    assert losses[0] == float(metrics["loss"])  # the trainer's first step ran on that same packed batch
     final = jax.device_get(trainer.state["params"])
     assert_trees_differ(final, initial, 1e-4)
     return jax.device_get(metrics), jax.device_get(grads), final
@@ -50,8 +81,34 @@ def assert_same_step(got, want) -> None:
     assert_trees_close(p_got, p_want, 1e-4, "parameter after 3 steps ")
 
 
-def test_pallas_train_step_equals_xla():
-    assert_same_step(run("pallas"), run("xla"))
+@pytest.fixture(scope="module")
+def xla_one_device():
+    return run("xla")
+
+
+def test_pallas_train_step_equals_xla(xla_one_device):
+    assert_same_step(run("pallas"), xla_one_device)
+
+
+def test_auto_on_a_gpu_without_triton_resolves_by_dtype():
+    """cuDNN has no fp32 attention: `auto` on a GPU without jax-triton picks XLA for fp32 (the
+    default policy) and cuDNN for bf16/fp16, in the startup check and in the model alike."""
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1}
+    no_triton, with_triton = ("xla", "cudnn"), ("xla", "triton", "cudnn")
+    cfg = {p: load_config(None, SMALL + [f"precision.policy={p}"]) for p in ("fp32", "bf16", "fp16")}
+    assert resolve_attention(cfg["fp32"], "gpu", sizes, available=no_triton) == "xla"
+    assert resolve_attention(cfg["bf16"], "gpu", sizes, available=no_triton) == "cudnn"
+    assert resolve_attention(cfg["fp16"], "gpu", sizes, available=no_triton) == "cudnn"
+    assert resolve_attention(cfg["fp32"], "gpu", sizes, available=with_triton) == kernels.AUTO_GPU_IMPLEMENTATION
+    assert resolve_attention(cfg["fp32"], "gpu", sizes, dtype=jnp.bfloat16, available=no_triton) == "cudnn"
+    explicit = load_config(None, SMALL + ["model.attention=cudnn"])
+    with pytest.raises(ConfigError, match="model.attention=cudnn: .*bf16 or fp16"):
+        resolve_attention(explicit, "gpu", sizes, available=no_triton)
+    # The model's own call: fp32 q/k/v under `auto` on that GPU runs XLA (here: the reference), not cuDNN.
+    q = jax.random.normal(jax.random.key(0), (1, 24, 4, 16), jnp.float32)
+    k, v = jax.random.normal(jax.random.key(1), (2, 1, 24, 2, 16), jnp.float32)
+    got = attend(q, k, v, None, "auto", Partitioning(), platform="gpu", available=no_triton)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels.mha_reference(q, k, v, causal=True)))
 
 
 def test_unavailable_attention_is_a_config_error():
@@ -60,9 +117,41 @@ def test_unavailable_attention_is_a_config_error():
         resolve_attention(cfg, "cpu", {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1})
 
 
-def test_pallas_under_data_and_tensor_parallelism_equals_single_device_xla():
+def test_pallas_under_data_and_tensor_parallelism_equals_single_device_xla(xla_one_device):
     """Kernels run per shard (shard_map): 2-way data x 2-way tensor gives the one-device answer."""
-    assert_same_step(run("pallas", ("mesh.data=2", "mesh.tensor=2"), devices=4), run("xla"))
+    assert_same_step(run("pallas", ("mesh.data=2", "mesh.tensor=2"), devices=4), xla_one_device)
+
+
+@pytest.mark.parametrize("attention", ["pallas", "xla"])
+def test_fewer_kv_heads_than_the_tensor_degree_equals_single_device_xla(attention, xla_one_device):
+    """2 kv heads on 4-way tensor parallelism (as MaxText: kv heads replicated, not refused): each
+    shard's one query head reads its own kv head; loss, every gradient leaf and the parameters after
+    3 steps equal one device's."""
+    assert_same_step(run(attention, ("mesh.tensor=4",), devices=4), xla_one_device)
+
+
+def test_kv_heads_replicated_not_split_under_a_wider_tensor_axis():
+    trainer = Trainer(load_config(None, SMALL + ["model.attention=pallas", "mesh.tensor=4"]), write_files=False,
+                      devices=jax.devices()[:4])
+    attn = trainer.state["params"]["blocks"]["attn"]
+    assert attn["wk"].sharding.spec[2] is None and attn["wv"].sharding.spec[2] is None  # kv heads: whole
+    assert attn["wq"].sharding.spec[2] == "tensor"  # query heads: split 4 ways
+
+
+@pytest.mark.parametrize("kv, shards", [(2, 4), (1, 4), (4, 8), (6, 4), (4, 2), (3, 1)])
+def test_repeated_kv_heads_line_up_with_each_shards_query_heads(kv, shards):
+    """Against the GQA rule itself: after the repeat, shard s's query heads n read (n // (N/K'))
+    a repeated head of shard s that is kv head n // (N/K)."""
+    import math
+    N = math.lcm(kv, shards) * 2
+    k = jnp.arange(kv, dtype=jnp.float32).reshape(1, 1, kv, 1)
+    rep = np.asarray(repeat_kv_heads(k, N, shards))[0, 0, :, 0]
+    Kr = rep.shape[0]
+    assert Kr % shards == 0 and N % Kr == 0
+    for n in range(N):
+        j = n // (N // Kr)
+        assert j // (Kr // shards) == n // (N // shards)  # the repeated head is in the query head's shard
+        assert rep[j] == n // (N // kv)  # and it is the kv head GQA assigns to query head n
 
 
 def test_xla_attention_with_a_sharded_sequence_equals_one_device():
