@@ -79,8 +79,12 @@ class MeshConfig:
     stage: int = 1  # pipeline stages
     fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
     tensor: int = 1  # tensor (Megatron) parallelism
-    dcn_data: int = 1  # of `data`, how many replicas span hosts (slow network); multi-host only
-    dcn_fsdp: int = 1  # of `fsdp`, how many shards span hosts; multi-host only
+    # Of each axis, how many ways span the slow data-centre network (DCN): TPU slices, else processes.
+    # Their product = the number of slices (or processes); multi-host only. None set: the granules go
+    # to the outermost axes that divide by them, data first (jaxtrain/parallel/mesh.py).
+    dcn_data: int = 1  # of `data`, how many replicas span slices/hosts
+    dcn_stage: int = 1  # of `stage`, how many pipeline stages span slices/hosts (stages pass only activations)
+    dcn_fsdp: int = 1  # of `fsdp`, how many shards span slices/hosts
     # logical axis -> mesh axis (or list of mesh axes, or null = replicated). This one table
     # decides every parameter and activation sharding in the model. A partial table (YAML, an
     # override, or MeshConfig(rules=...) in Python) overrides its entries of DEFAULT_RULES only.
@@ -462,6 +466,10 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.mesh, axis)
         if v == 0 or v < -1:
             raise ConfigError(f"config key 'mesh.{axis}' must be a positive size or -1 (fill), got {v}")
+    for axis in ("data", "stage", "fsdp"):
+        if getattr(cfg.mesh, f"dcn_{axis}") < 1:
+            raise ConfigError(f"config key 'mesh.dcn_{axis}' must be a positive size (1 = no DCN split), "
+                              f"got {getattr(cfg.mesh, f'dcn_{axis}')}")
     if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tensor", "stage")) > 1:
         raise ConfigError("only one of mesh.data/stage/fsdp/tensor may be -1 (fill with the remaining devices)")
     if m.num_heads % m.num_kv_heads:

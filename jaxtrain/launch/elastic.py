@@ -58,7 +58,8 @@ def plan_shrink(cfg: Config, num_processes: int, devices_per_process: int, remov
       The plan.
     Raises:
       ShrinkRefused: no process would be left, the devices left do not hold whole model replicas,
-        FSDP spans hosts, or no `train.grad_accum` splits the global batch over the devices left.
+        FSDP or pipeline stages span hosts, or no `train.grad_accum` splits the global batch over the
+        devices left.
     """
     left = num_processes - remove
     if left < 1:
@@ -80,6 +81,9 @@ def plan_shrink(cfg: Config, num_processes: int, devices_per_process: int, remov
     if m.dcn_fsdp > 1:
         raise ShrinkRefused(f"mesh.dcn_fsdp={m.dcn_fsdp} spreads FSDP shards over hosts: without a host every "
                             "parameter would need another layout; isolation only shrinks data parallelism")
+    if m.dcn_stage > 1:
+        raise ShrinkRefused(f"mesh.dcn_stage={m.dcn_stage} spreads pipeline stages over hosts: without a host a "
+                            "stage would be missing; isolation only shrinks data parallelism")
     if m.dcn_data > 1:  # the hybrid mesh needs one DCN slice per process (jaxtrain.parallel.mesh.build_mesh)
         if new["data"] % left:
             raise ShrinkRefused(f"mesh.data={new['data']} on the devices left is not divisible by the {left} "

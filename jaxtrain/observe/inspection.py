@@ -20,6 +20,7 @@ from jaxtrain.config import Config
 from jaxtrain.observe.profiling import (COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size,
                                         shape_bytes, wire_bytes)
 from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.mesh import describe_crossings
 from jaxtrain.parallel.sharding import logical_to_spec
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
@@ -178,6 +179,7 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     """Compile the train step from shapes alone (no data read, no parameter allocated) and report.
 
     Returns a JSON-able dict: `params`, `flops_per_step`, `xla_flops_per_device`, `mesh`,
+    `mesh_crossings` (axis -> {crosses_hosts, crosses_slices}: `mesh.axis_crossings`),
     `pipeline` (the schedule, S, M, R and bubble: `pipeline.describe`, as in the `start` event),
     `peak_memory_bytes_per_device` and its parts, `collectives` (kind -> wire bytes per step per
     device, as `collective_bytes` counts them: a CPU all-reduce that implements a reduce-scatter
@@ -191,7 +193,7 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     """
     from jaxtrain.model.attention import resolve_attention
     from jaxtrain.observe.throughput import flops_per_step
-    from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
+    from jaxtrain.parallel.mesh import axis_crossings, build_mesh, validate_against_devices
     from jaxtrain.train.state import build_layout
 
     devices = list(devices) if devices is not None else jax.devices()
@@ -202,6 +204,7 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     t = time.perf_counter()
     compiled = layout.lower_train_step().compile()
     report: dict = {"devices": len(devices), "device_kind": devices[0].device_kind, "mesh": sizes,
+                    "mesh_crossings": axis_crossings(mesh),  # per axis: crosses_hosts, crosses_slices
                     "pipeline": pipeline.describe(cfg, sizes), "attention": attention,
                     "params": layout.num_params, "flops_per_step": flops_per_step(cfg),
                     "compile_s": round(time.perf_counter() - t, 3)}
@@ -269,6 +272,7 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
     """The text form of `inspect_report`."""
     lines = [f"devices: {report['devices']} ({report['device_kind']})   mesh: {report['mesh']}   "
              f"attention: {report['attention']}",
+             describe_crossings(report["mesh_crossings"]),
              _pipeline_line(report["pipeline"]),
              f"parameters: {report['params']:,}",
              f"model FLOPs per step: {report['flops_per_step']:.4g}   compile: {report['compile_s']:.1f} s"]

@@ -1,14 +1,24 @@
 """The device mesh (axes data, stage, fsdp, tensor) and the phase-2 checks that need devices.
 
-On one host the mesh is the devices reshaped in order; on several hosts the slow data-centre
-network (DCN) axes are outermost, so only `data`/`fsdp` traffic crosses hosts and each host's
-devices form a contiguous block of the batch (the data loader relies on that).
+Device order follows the hardware (docs: README "Configs and parallelism"):
+- one TPU slice, however many hosts it spans: JAX's topology-aware `create_device_mesh`, so the
+  innermost axes (tensor, then fsdp) run along the ICI torus rings;
+- several TPU slices (multislice), or several processes without slices (multi-node GPU, CPU
+  processes): `create_hybrid_device_mesh`, slices (else processes) as the DCN granules. The DCN
+  part of each axis is its outer part: `mesh.dcn_data` / `dcn_stage` / `dcn_fsdp` say how it is
+  split; when none is set, the granules go to the outermost axes that divide by them (data
+  first), as a process-major order would.
+Hosts need not own a contiguous block of the batch: `make_array_from_process_local_data` maps
+each process's rows onto whichever batch shards its devices hold; but no two hosts may share a
+batch shard (each loads different rows), so where the topology-aware order of one slice would run
+a non-batch axis (tensor) across hosts, that slice falls back to hosts as granules. `axis_crossings` says which
+axes cross hosts and slices (`jaxtrain inspect` prints it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -18,35 +28,123 @@ from jax.sharding import Mesh
 from jaxtrain.config import Config, ConfigError, MeshConfig, validate_pipeline
 from jaxtrain.parallel.mesh_shape import AXES, resolve_mesh_shape  # JAX-free: the launcher uses them too
 
+DCN_AXES = ("data", "stage", "fsdp")  # axes that may span the slow network (mesh.dcn_<axis>)
 
-def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` over `devices` (default: all) with axes (data, stage, fsdp, tensor)."""
+
+def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+    """A `Mesh` over `devices` (default: all) with axes (data, stage, fsdp, tensor).
+
+    Raises:
+      ConfigError: mesh sizes that do not fit the devices, or `mesh.dcn_*` that do not multiply
+        to the number of slices or processes or do not divide their axis.
+    """
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_mesh_shape(mesh_cfg, len(devices))
+    batch = mesh_cfg.rules.get("batch") or []
+    batch_axes = tuple(batch if isinstance(batch, list) else [batch])
+    return Mesh(device_grid(sizes, {a: getattr(mesh_cfg, f"dcn_{a}") for a in DCN_AXES}, devices, batch_axes), AXES)
+
+
+def device_grid(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence[Any],
+                batch_axes: tuple[str, ...] = ("data", "stage", "fsdp")) -> np.ndarray:
+    """The devices as an array of shape (data, stage, fsdp, tensor) in hardware order (module doc).
+
+    Works on anything with `platform`, `device_kind`, `id`, `process_index` and, on TPU, `coords`,
+    `core_on_chip` and `slice_index` (tests pass fake devices to play multi-host topologies).
+    `batch_axes`: the mesh axes the batch is split over (`mesh.rules['batch']`). Each process
+    loads its own rows (jaxtrain.data), so no two processes may hold the same batch shard: where
+    the topology-aware order of one slice would do that (a tensor ring across hosts), the slice's
+    hosts become the granules instead (fast links inside each host, hosts along the outer axes).
+    """
     shape = tuple(sizes[a] for a in AXES)
-    num_processes = len({d.process_index for d in devices})
-    dcn = {"data": mesh_cfg.dcn_data, "fsdp": mesh_cfg.dcn_fsdp}
-    if num_processes > 1 and math.prod(dcn.values()) > 1:
-        if math.prod(dcn.values()) != num_processes:
-            raise ConfigError(f"mesh.dcn_data * mesh.dcn_fsdp = {math.prod(dcn.values())} must equal the "
-                              f"{num_processes} processes (one DCN slice per host)")
-        for a, n in dcn.items():
+    processes = len({d.process_index for d in devices})
+    slices = len({d.slice_index for d in devices}) if all(hasattr(d, "slice_index") for d in devices) else 0
+    asked = {a: n for a, n in dcn.items() if n > 1}
+    if asked and processes == 1 and slices <= 1:
+        asked = {}  # one process on one slice has no DCN: mesh.dcn_* apply to multi-host jobs only
+    if asked:
+        granules = math.prod(asked.values())
+        if slices > 1 and granules == slices:
+            by_process = False
+        elif granules == processes:
+            by_process = True  # one DCN granule per process (GPU nodes, CPU processes, or hosts asked for)
+        else:
+            where = f"{slices} slice(s) or {processes} process(es)" if slices else f"{processes} process(es)"
+            raise ConfigError(f"mesh.dcn_data * mesh.dcn_stage * mesh.dcn_fsdp = {granules} must equal the {where} "
+                              "(one DCN granule each)")
+        for a, n in asked.items():
             if sizes[a] % n:
                 raise ConfigError(f"mesh.{a}={sizes[a]} is not divisible by mesh.dcn_{a}={n}")
-        dcn_shape = tuple(dcn.get(a, 1) for a in AXES)
-        ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
-        # TPU multislice groups devices by slice; GPU and CPU hosts have no slices: group by process.
-        by_process = devices[0].platform != "tpu"
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, process_is_granule=by_process,
-                                                    allow_split_physical_axes=True)
-    elif devices[0].platform in ("tpu", "gpu") and num_processes == 1:
-        # Topology-aware placement puts the fast links under the innermost (tensor) axis.
-        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        dcn_shape = tuple(asked.get(a, 1) for a in AXES)
+    elif slices > 1 or (processes > 1 and devices[0].platform != "tpu"):
+        by_process = slices <= 1
+        dcn_shape = _outermost(shape, slices if slices > 1 else processes)
     else:
-        # Process-major order: each host owns a contiguous block of the leading axes.
-        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-        grid = np.array(ordered, dtype=object).reshape(shape)
-    return Mesh(grid, AXES)
+        by_process, dcn_shape = False, None  # one slice (any hosts) or one process
+    grid = _whole(shape, devices) if dcn_shape is None else mesh_utils.create_hybrid_device_mesh(
+        tuple(s // d for s, d in zip(shape, dcn_shape)), dcn_shape, devices, process_is_granule=by_process,
+        allow_split_physical_axes=True)
+    if processes == 1 or by_process or _hosts_own_their_rows(grid, [AXES.index(a) for a in batch_axes]):
+        return grid
+    # A non-batch axis (tensor) runs across hosts inside a slice: hosts as granules instead.
+    dcn_shape = _outermost(shape, processes)
+    if dcn_shape is None:
+        return grid
+    return mesh_utils.create_hybrid_device_mesh(tuple(s // d for s, d in zip(shape, dcn_shape)), dcn_shape, devices,
+                                                process_is_granule=True, allow_split_physical_axes=True)
+
+
+def _whole(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
+    """One network: topology-aware on TPU and GPU (fast links under the innermost axes); on other
+    platforms process-major, so each host holds a contiguous block of the leading axes."""
+    if devices[0].platform in ("tpu", "gpu"):
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return np.array(ordered, dtype=object).reshape(shape)
+
+
+def _hosts_own_their_rows(grid: np.ndarray, batch_dims: list[int]) -> bool:
+    """No two processes hold devices at the same batch-shard index (over `batch_dims`)."""
+    owner: dict[tuple, int] = {}
+    for index in np.ndindex(grid.shape):
+        shard = tuple(index[i] for i in batch_dims)
+        if owner.setdefault(shard, grid[index].process_index) != grid[index].process_index:
+            return False
+    return True
+
+
+def _outermost(shape: tuple[int, ...], granules: int) -> tuple[int, ...] | None:
+    """DCN shape putting `granules` on the outermost axes that divide by them, or None."""
+    out, left = [], granules
+    for size in shape:
+        n = math.gcd(left, size)
+        out.append(n)
+        left //= n
+    return tuple(out) if left == 1 else None
+
+
+def axis_crossings(mesh: Mesh) -> dict[str, dict[str, bool]]:
+    """Per mesh axis: does a step along it reach another host (process) or another slice?
+
+    Returns {axis: {"crosses_hosts": bool, "crosses_slices": bool}}. An axis of size 1 crosses
+    nothing. Devices without `slice_index` (GPU, CPU) count as one slice.
+    """
+    out = {}
+    for i, name in enumerate(mesh.axis_names):
+        row = {}
+        for key, attr in (("crosses_hosts", "process_index"), ("crosses_slices", "slice_index")):
+            ids = np.moveaxis(np.vectorize(lambda d: getattr(d, attr, 0), otypes=[int])(mesh.devices), i, 0)
+            row[key] = bool((ids != ids[:1]).any())
+        out[name] = row
+    return out
+
+
+def describe_crossings(crossings: dict[str, dict[str, bool]]) -> str:
+    """One line for `axis_crossings`, e.g. 'mesh axes across hosts: data, fsdp; across slices: data'."""
+    hosts = [a for a, c in crossings.items() if c["crosses_hosts"]]
+    slices = [a for a, c in crossings.items() if c["crosses_slices"]]
+    return (f"mesh axes across hosts: {', '.join(hosts) or 'none'}; "
+            f"across slices (DCN): {', '.join(slices) or 'none'}")
 
 
 def validate_against_devices(cfg: Config, num_devices: int, num_processes: int = 1,
