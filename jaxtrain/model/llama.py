@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import attend
@@ -176,11 +177,7 @@ class Transformer(nnx.Module):
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-        # Gather the table over fsdp first (as FSDP does for every weight); the lookup then runs
-        # on vocab shards (masked gather + reduce) instead of resharding the whole table.
-        table_VD = part.constrain(self.embed[...], ("vocab", None))
-        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
-        x_BLD = part.constrain(x_BLD, ("batch", "length", "act_embed"))
+        x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "length", "act_embed"))
 
         graphdef, layers = nnx.split(self.blocks)
 
@@ -213,6 +210,70 @@ def logical_axes(params_state: nnx.State) -> dict:
             return tuple(node.get_metadata()["out_sharding"])
         return {k: walk(v) for k, v in node.items()}
     return walk(params_state)
+
+
+def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array, dtype: Any, part: Partitioning = Partitioning()) -> jax.Array:
+    """The rows `tokens_BL` of the embedding table, in `dtype`: [B, L, D], sharded like the tokens.
+
+    The table stays sharded as its parameter is (vocab and embed over their mesh axes): no device
+    holds more of it than its own shard, in any precision, and its gradient is a scatter-add into a
+    shard-sized buffer, sharded like the parameter. Gathering the table first (as FSDP does for other
+    weights) would put a whole [V, D] fp32 table and its fp32 gradient on every device, whatever the
+    fsdp degree: ~4 GiB for Llama-3's 128k vocabulary at D = 4096.
+
+    Per device (a shard_map): the tokens of every device that shares the table shard's embed columns
+    are gathered (a few KiB of ids); each device looks them up in its own rows (ids outside its vocab
+    shard give zeros) and casts them to `dtype`; then, in `dtype`, a reduction over the vocab shards
+    and an all-to-all over the embed shards return each device its own tokens' full rows. What moves
+    is activation-sized, [B, L, D] in the compute dtype, never table-sized.
+    """
+    mesh = part.mesh
+    if mesh is None or mesh.size == 1:
+        return jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
+
+    def axes(entry) -> tuple[str, ...]:
+        entries = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        return tuple(a for a in entries if mesh.shape[a] > 1)
+
+    def spec(names) -> P:  # axes of size 1 left out: nothing to split, sum or gather over them
+        return P(*(axes(entry) or None for entry in part.spec(names)))
+
+    table_spec, token_spec = spec(("vocab", "embed")), spec(("batch", "length"))
+    vocab_axes, embed_axes = axes(table_spec[0]), axes(table_spec[1])
+    token_dim = {a: d for d, entry in enumerate(token_spec) for a in axes(entry)}  # mesh axis -> tokens dim
+    # How each table axis is undone after the local lookup, in order: the vocab shards are summed
+    # (in any order); the embed shards' columns are concatenated innermost axis first, so that
+    # they land in the order the parameter's sharding gives them.
+    steps = [("vocab", a) for a in vocab_axes] + [("embed", a) for a in reversed(embed_axes)]
+    # A table axis that also splits the tokens: first gather the tokens over it, so the devices of a
+    # table group look up each other's tokens; the last gathered is the first undone (outermost).
+    gathers = [a for _, a in reversed(steps) if a in token_dim]
+
+    def local(table, tokens):
+        for a in gathers:
+            tokens = jax.lax.all_gather(tokens, a, axis=token_dim[a], tiled=True)
+        rows = table.shape[0]
+        shard = 0  # this device's vocab shard: row-major over the vocab axes, as the sharding splits V
+        for a in vocab_axes:
+            shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+        ids = tokens - shard * rows
+        inside = (ids >= 0) & (ids < rows)
+        x = jnp.take(table, jnp.where(inside, ids, 0), axis=0).astype(dtype)
+        x = jnp.where(inside[..., None], x, jnp.zeros((), dtype))
+        for kind, a in steps:
+            dim = token_dim.get(a)
+            if kind == "vocab":  # one shard holds each row, the others add zeros: exact in any dtype
+                x = jax.lax.psum(x, a) if dim is None else jax.lax.psum_scatter(x, a, scatter_dimension=dim, tiled=True)
+            elif dim is not None:  # my tokens' rows from each embed shard, their columns side by side
+                x = jax.lax.all_to_all(x, a, dim, x.ndim - 1, tiled=True)
+            else:  # tokens replicated over `a`: place my columns and sum (all_gather would stay device-varying)
+                n, width = mesh.shape[a], x.shape[-1]
+                full = jnp.zeros((*x.shape[:-1], n * width), dtype)
+                x = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index(a) * width, x.ndim - 1), a)
+        return x
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, token_spec),
+                         out_specs=P(*token_spec, None))(table_VD, tokens_BL)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
