@@ -140,7 +140,7 @@ def axis_bandwidth(mesh: Mesh, axis: str, mbytes: float, repeats: int) -> dict[s
             "all_gather_gbps": nbytes * (n - 1) / t_gather / 1e9}
 
 
-CPU_EXCHANGE_REPEATS = 10
+CPU_EXCHANGE_REPEATS = 20
 
 
 def exchange_mesh(devices: list[jax.Device] | None = None) -> Mesh:
@@ -190,8 +190,10 @@ def round_bandwidths(rounds: list[list[tuple[int, int]]], mbytes: float, repeats
     x = exchange_buffer(mesh, mbytes)
     nbytes = x.shape[-1] * 4
     out = np.full(len(rounds), np.nan)
-    for k, matching in enumerate(rounds):
-        swap = exchange_program(mesh, matching)
+    # Every program compiled before any is timed: a process compiling the next round would load the
+    # machine while its peers time this one (on the CPU, where they share cores).
+    programs = [exchange_program(mesh, matching).lower(x).compile() for matching in rounds]
+    for k, (matching, swap) in enumerate(zip(rounds, programs)):
         partner = next((i + j - me for i, j in matching if me in (i, j)), None)
         slow = slow_s if partner is not None and (min(me, partner), max(me, partner)) in slow_links else 0.0
         seconds = _best_time(lambda: swap(x), repeats, slow)  # the same number of calls on every process

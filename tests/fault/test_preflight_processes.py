@@ -74,22 +74,33 @@ def test_a_bad_network_card_is_named(count, bad):
     r = preflight_job(hosts, f"chaos.slow_link={touching(bad, count)}", f"chaos.slow_link_seconds={SLOW_S}")
     # `named` also holds the matmul verdict, which the load of a shared 2-core machine can trip
     assert r["named_for_links"] == [bad] and bad in r["named"], r
-    assert r["slow_pairs"] == [sorted([bad, q]) for q in range(count) if q != bad], r
+    bad_pairs = [sorted([bad, q]) for q in range(count) if q != bad]
+    assert all(p in r["slow_pairs"] for p in bad_pairs), r
+    # The healthy pairs are far from the bad ones. Which of them fall just under 0.7x the others
+    # is the machine's load here (healthy pairs measured 1.1 to 1.7 GB/s): exact slow_pairs are
+    # asserted on synthetic timings (test_preflight_plan.py).
+    gbps = {tuple(map(int, k.split("-"))): v for k, v in r["pairs_gbps"].items()}
+    assert min(v for (i, j), v in gbps.items() if bad not in (i, j)) > 5 * max(
+        v for (i, j), v in gbps.items() if bad in (i, j)), gbps
     assert set(r["pairs_gbps"]) == {f"{i}-{j}" for i, j in itertools.combinations(range(count), 2)}
     assert r["rails"] == DEVICES and r["rounds"] == 3  # 3 rounds of disjoint pairs, one program each
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_healthy_nodes_with_a_slower_network_name_nobody():
-    """2 nodes x 2 processes; the inter-node pairs 10x slower than the intra-node ones (as a
-    network is next to NVLink): each class is compared with itself, no link and no process is
-    named for its links (`named` also holds the matmul verdict, which the load of a shared 2-core
-    machine can trip)."""
-    hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
+@pytest.mark.parametrize("hosts", [["nodeA", "nodeA", "nodeB", "nodeB"], ["nodeA", "nodeA", "nodeA", "nodeB"]],
+                         ids=["2+2", "3+1"])
+def test_healthy_nodes_with_a_slower_network_name_nobody(hosts):
+    """2 nodes, 4 processes; the inter-node pairs 10x slower than the intra-node ones (as a
+    network is next to NVLink). With 3 + 1 the former rule (every pair against the median of all
+    6) flagged the 3 network pairs and named process 3. Now each class is compared with itself:
+    no inter-node pair is slow and no process is named for its links. (`named` also holds the
+    matmul verdict; and an intra-node pair judged against one or two others can dip under 0.7x
+    of them with the load of this shared 2-core machine, so those are not asserted here.)"""
     inter = [[i, j] for i, j in itertools.combinations(range(4), 2) if hosts[i] != hosts[j]]
     r = preflight_job(hosts, f"chaos.slow_link={json.dumps(inter)}", f"chaos.slow_link_seconds={SLOW_S}")
     assert r["hosts"] == hosts
-    assert r["named_for_links"] == [] and r["slow_pairs"] == [], r
+    assert r["named_for_links"] == [], r
+    assert not [p for p in r["slow_pairs"] if hosts[p[0]] != hosts[p[1]]], r  # no network pair is flagged
     ref = r["reference_gbps"]
     assert ref["intra_node"] > 3 * ref["inter_node"], ref  # the two classes really differ
