@@ -2,19 +2,21 @@
 
 The launchers (`jaxtrain launch`, `jaxtrain recovery` for train.sbatch) read the trainer's own
 `metrics.jsonl` and `events.jsonl` to say at which step a failure happened and which process an
-attempt's events blame (the blame itself is `policy.blamed_process`). They read local files only:
-for a remote run directory (gs://, s3://, see `jaxtrain.checkpoint.paths`) there is nothing to
-read, and the answers are "unknown" (-1, no events). A process killed mid-write may leave a torn
-last line: it is skipped, never an error.
+attempt's events blame (the blame itself is `policy.blamed_process`). The events are read through
+`jaxtrain.observe.runlog.read_log`, locally and in a bucket (gs://, s3://: the log's segments);
+the last step only locally (a tail of the file; remote: "unknown", -1). A process killed
+mid-write may leave a torn last line: it is skipped, never an error.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from jaxtrain.checkpoint.paths import is_remote
+from jaxtrain.observe.runlog import read_log
 
 
 def _local(output_dir: str | Path | None) -> Path | None:
@@ -56,33 +58,38 @@ def last_known_step(output_dir: str | Path | None) -> int:
     return max(_last_step_in(run / "metrics.jsonl"), _last_step_in(run / "events.jsonl"))
 
 
-def _event_lines(output_dir: str | Path | None) -> list[str]:
-    run = _local(output_dir)
-    if run is None or not (run / "events.jsonl").exists():
-        return []
-    return (run / "events.jsonl").read_text().splitlines()
-
-
 def count_events(output_dir: str | Path | None) -> int:
-    """How many lines events.jsonl has now: the events of an attempt started now come after them."""
-    return len(_event_lines(output_dir))
+    """How many events the run has logged now: the events of an attempt started now come after them.
+
+    When a bucket cannot be read now, a count no event reaches (this attempt's events are then
+    unknown: nobody is blamed on them, rather than on an earlier attempt's)."""
+    events = _read(output_dir)
+    return sys.maxsize if events is None else len(events)
 
 
 def read_events(output_dir: str | Path | None, since_line: int = 0) -> list[dict]:
-    """The run's events from line `since_line` of events.jsonl on, oldest first.
+    """The run's events from event number `since_line` on, oldest first.
 
     Args:
-      output_dir: the run directory (None or remote: no events).
-      since_line: lines to skip (`count_events` when the attempt started).
+      output_dir: the run directory, local or in a bucket (None: no events).
+      since_line: events to skip (`count_events` when the attempt started).
     Returns:
-      The events as dicts; torn lines (a writer killed mid-line) and non-object lines are skipped.
+      The events as dicts; torn lines (a writer killed mid-line) and non-object lines are skipped
+      (and not counted, here as in `count_events`). [] when a bucket cannot be read now.
     """
-    events = []
-    for line in _event_lines(output_dir)[since_line:]:
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if isinstance(event, dict):
-            events.append(event)
-    return events
+    return (_read(output_dir) or [])[since_line:]
+
+
+def _read(output_dir: str | Path | None) -> list[dict] | None:
+    """The events of the run (None: a bucket that cannot be read now; said in one line on stderr)."""
+    if output_dir is None:
+        return []
+    if not is_remote(output_dir):
+        return read_log(output_dir, "events.jsonl")
+    try:
+        return read_log(output_dir, "events.jsonl")
+    except Exception as e:  # the launcher must go on: no events is "nobody blamed"
+        # The error's type only: a client's message may spell the endpoint with its user info.
+        print(f"jaxtrain: warning: could not read the events of the run directory ({type(e).__name__}); "
+              "blaming nobody for this attempt", file=sys.stderr)
+        return None

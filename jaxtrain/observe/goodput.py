@@ -18,7 +18,8 @@ into parts that add up to the wall time exactly (docs/goodput.md):
 
 Read from the run directory alone: `events.jsonl` (attempt boundaries, start-up, checkpoint
 blocking, hangs, stragglers, restarts, isolations) and `metrics.jsonl` (per-step time, data wait,
-skips). No JAX is imported.
+skips); in a bucket, their segments (`jaxtrain.observe.runlog.read_log` reads every layout). No JAX
+is imported.
 
 How attempts are found: a launcher `restart` event begins one (its time is the relaunch), and
 so does a `preflight`/`start` event after an attempt that already started (SLURM requeue, a rerun
@@ -42,9 +43,10 @@ from typing import Any
 
 from jaxtrain.arguments import Parser, parse
 from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.checkpoint.paths import is_remote
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_OK
+from jaxtrain.observe.runlog import read_log
 
 PARTS = ("productive_s", "startup_s", "checkpoint_s", "restart_downtime_s", "hang_s", "redone_steps_s",
          "data_wait_s", "eval_s", "skipped_steps_s", "other_s")
@@ -52,22 +54,6 @@ LABELS = {"productive_s": "productive training", "startup_s": "start-up and comp
           "checkpoint_s": "checkpoint blocking", "restart_downtime_s": "restart downtime", "hang_s": "hangs",
           "redone_steps_s": "re-done steps", "data_wait_s": "data wait", "eval_s": "evaluation",
           "skipped_steps_s": "skipped steps", "other_s": "other (not attributed)"}
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The JSON objects of a .jsonl file or object; torn or foreign lines (a killed writer) are skipped."""
-    path = os.fspath(path)
-    if not storage.is_file(path):
-        return []
-    out = []
-    for line in storage.read_bytes(path).decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
 
 
 @dataclasses.dataclass
@@ -244,10 +230,10 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
     run_dir = os.fspath(run_dir)
     if is_remote(run_dir):
         storage.check_access(run_dir, key="RUN_DIR")  # a wrong bucket or no credentials: one line, exit 2
-    events = [e for e in read_jsonl(join(run_dir, "events.jsonl")) if isinstance(e.get("time"), (int, float))]
+    events = [e for e in read_log(run_dir, "events.jsonl") if isinstance(e.get("time"), (int, float))]
     if not events:
         raise ConfigError(f"{run_dir}: no events.jsonl with events (is it a jaxtrain run directory?)")
-    metrics = read_jsonl(join(run_dir, "metrics.jsonl"))
+    metrics = read_log(run_dir, "metrics.jsonl")
     attempts = split_attempts(events)
     entries, eval_by_attempt, dispatch_by_attempt = step_entries(metrics, attempts)
     parts = dict.fromkeys(PARTS, 0.0)

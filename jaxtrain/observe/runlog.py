@@ -3,6 +3,14 @@
 Only process 0 writes; other processes get a RunLog that drops everything. On a terminal the
 progress line is rewritten in place; anywhere else (SLURM output files, Kubernetes logs, CI,
 `| tee`) each logged step is one plain line.
+
+Layout of the logs in a run directory (`read_log` reads either, and is what every reader uses):
+  local:   metrics.jsonl, events.jsonl (appended line by line), tensorboard/events.out.tfevents.*
+  gs://, s3://: metrics.jsonl.segments/000001.jsonl, 000002.jsonl, ... and the same for
+           events.jsonl (segments of at most `storage.SEGMENT_BYTES`, read in order of their
+           number after a whole metrics.jsonl / events.jsonl object that runs before segments
+           wrote), and tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>: a new event
+           file, with its own header record, wherever a segment would start.
 """
 
 from __future__ import annotations
@@ -26,13 +34,13 @@ class RunLog:
 
     `output_dir` may be a local directory or a gs:// / s3:// URL. Locally each line reaches the
     OS as it is written (a killed run keeps every line). Object stores cannot append, so there
-    the files are buffered in memory and each object is rewritten whole: in the background at
-    most every `flush_interval_s` (metrics and TensorBoard at log steps coalesce into one upload
-    per interval), and at once, before returning, on every event (start, checkpoint_saved,
-    resume, done, ...) and on `close()`. So after `checkpoint_saved` for step N, every metrics
-    line up to N is in the bucket: a killed run loses at most the lines after its last event
-    or upload, which a resumed run writes again. A resumed run appends to the objects it finds.
-    A failed upload never stops training: it is reported as one line on the console and
+    the logs are written as bounded segment objects (see the module docstring and
+    `jaxtrain.checkpoint.storage.AppendOnlyFile`) by one background thread: metrics and
+    TensorBoard records at most every `flush_interval_s`, and at once (without waiting for the
+    upload) on every event, metrics before events. `sync()` and `close()` upload everything and
+    wait. A killed run loses at most the lines written since the last upload (a resumed run
+    writes the steps after its restore again) and continues in new segments after the existing
+    ones. A failed upload never stops training: it is reported as one line on the console and
     retried at the next upload.
     """
 
@@ -42,13 +50,17 @@ class RunLog:
         self.console = console
         self._tty = bool(console is not None and hasattr(console, "isatty") and console.isatty())
         self._tb = None
+        self._uploader = None
+        self._reported: set[int] = set()  # ids of background upload errors already warned about
         if self.enabled:
             out = self.output_dir = os.fspath(output_dir)
             self.remote = is_remote(out)
             storage.makedirs(out)
-            self._metrics = storage.AppendOnlyFile(join(out, "metrics.jsonl"), flush_interval_s=flush_interval_s)
-            self._events = storage.AppendOnlyFile(join(out, "events.jsonl"), flush_interval_s=flush_interval_s)
-            self._tb = ScalarWriter(join(out, "tensorboard"), flush_interval_s=flush_interval_s)
+            # One uploader for the three logs: a pass stores the metrics before the event after them.
+            self._uploader = storage.Uploader(flush_interval_s) if self.remote else None
+            self._metrics = storage.AppendOnlyFile(join(out, "metrics.jsonl"), uploader=self._uploader)
+            self._events = storage.AppendOnlyFile(join(out, "events.jsonl"), uploader=self._uploader)
+            self._tb = ScalarWriter(join(out, "tensorboard"), uploader=self._uploader)
 
     def write_config(self, cfg: Config) -> None:
         """The resolved config as `config.yaml` (what a resumed or exported run is read back with)."""
@@ -67,7 +79,9 @@ class RunLog:
             return
         record = {"time": time.time(), "step": int(step), "kind": kind, **details}
         self._events.write(json.dumps(_finite_or_name(record), default=_jsonable) + "\n")
-        self._flush(self._metrics, self._events)  # remote: the event and the metrics before it are stored
+        if self._uploader is not None:  # remote: upload now, in the background; never wait for it here
+            self._warn_background_errors()
+            self._uploader.wake(urgent=True)
         if self.console is not None and kind not in ("checkpoint_saved",):
             self._print(f"[{kind}] step {step} " + " ".join(f"{k}={_short(v)}" for k, v in details.items()), keep=True)
 
@@ -101,26 +115,43 @@ class RunLog:
         else:
             print(f"jaxtrain: warning: {message}", file=sys.stderr)
 
-    def _flush(self, *files: Any) -> None:
-        """Upload now (remote; a no-op locally, where every write already reached the OS)."""
-        if not self.remote:
-            return
-        for f in files:
+    def _files(self) -> tuple[Any, ...]:
+        return (self._metrics, self._events, self._tb)
+
+    def _warn_background_errors(self) -> None:
+        for f in self._files():
+            e = f.background_error
+            if e is not None and id(e) not in self._reported:
+                self._reported.add(id(e))
+                self._warn(f"could not upload {f.path}: {_first_line(e)} (retried at the next upload)")
+
+    def sync(self) -> bool:
+        """Make every line logged so far durable now (remote: upload and wait; locally every line
+        already reached the OS). Returns False, after one console line each, when an upload failed
+        (the logs must not stop training; the next upload retries)."""
+        if not self.enabled or not self.remote:
+            return True
+        ok = True
+        for f in self._files():
             try:
                 f.flush()
-            except Exception as e:  # the logs must not stop training; the next upload retries
+            except Exception as e:
+                ok = False
                 self._warn(f"could not upload {f.path}: {_first_line(e)}")
+        return ok
 
     def close(self) -> None:
         if not self.enabled:
             return
         if self._tty and self.console is not None:
             self.console.write("\n")
-        for f in (self._metrics, self._events, self._tb):
+        for f in self._files():
             try:
                 f.close()
             except Exception as e:  # remote: the last upload failed; say so, do not mask the run's result
                 self._warn(f"could not upload {getattr(f, 'path', '')} at close: {_first_line(e)}")
+        if self._uploader is not None:
+            self._uploader.close()
         self.enabled = False
 
 
@@ -163,3 +194,23 @@ def append_event(output_dir: str | None, kind: str, step: int, **details: Any) -
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+def read_log(run_dir: str | os.PathLike, name: str) -> list[dict]:
+    """The records of the run log `name` ("metrics.jsonl" or "events.jsonl") of `run_dir`, oldest first.
+
+    Reads every layout (module docstring): the local file, or in a bucket the whole object of a
+    run written before segments followed by the segments in order. Torn lines (a writer killed
+    mid-line) and lines that are not JSON objects are skipped. [] when the log does not exist.
+    Every reader of the run logs (goodput, the launchers' blame) goes through here.
+    """
+    data = storage.read_appended(join(os.fspath(run_dir), name))
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out

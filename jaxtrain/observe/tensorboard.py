@@ -73,26 +73,36 @@ def _event(step: int, *, file_version: str | None = None, scalars: dict[str, flo
 
 
 class ScalarWriter:
-    """Appends scalar summaries to one `events.out.tfevents.*` file in `log_dir`.
+    """Appends scalar summaries to `events.out.tfevents.*` files in `log_dir`.
 
-    `log_dir` may be a gs:// or s3:// URL (TensorBoard reads both): the file is then kept in
-    memory and the object rewritten, in the background at most every `flush_interval_s` and at
-    `close()` (see `jaxtrain.checkpoint.storage.AppendOnlyFile`); TensorBoard reads a rewritten event file
-    like a growing local one.
+    Locally: one file per writer, `events.out.tfevents.<time>.<host>.<pid>`. `log_dir` may be a
+    gs:// or s3:// URL (TensorBoard reads both): objects cannot be appended to, so the records
+    go to a series of bounded event files `events.out.tfevents.<time>.<host>.<pid>.<n>` (n =
+    000001, ...), each starting with its own file-version record, uploaded in the background
+    (see `jaxtrain.checkpoint.storage.AppendOnlyFile`; sealed files are never rewritten).
+    TensorBoard reads every event file of a folder, in the order of their names, which is the
+    order they were written.
     """
 
-    def __init__(self, log_dir: str | Path, *, flush_interval_s: float = 5.0):
+    def __init__(self, log_dir: str | Path, *, flush_interval_s: float = 5.0,
+                 uploader: storage.Uploader | None = None):
         log_dir = os.fspath(log_dir)
         storage.makedirs(log_dir)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self._file = storage.AppendOnlyFile(join(log_dir, name), flush_interval_s=flush_interval_s)
+        stem = f"events.out.tfevents.{{}}.{socket.gethostname()}.{os.getpid()}"
+        self._file = storage.AppendOnlyFile(
+            join(log_dir, stem.format(int(time.time()))), flush_interval_s=flush_interval_s, uploader=uploader,
+            header=lambda: _record(_event(0, file_version="brain.Event:2")),
+            # Remote: named when each starts, so that names sort in writing order (fixed-width time, then n).
+            segment_name=lambda n: join(log_dir, stem.format(int(time.time())) + f".{n:06d}"))
         self.path = self._file.path
-        self._write(_event(0, file_version="brain.Event:2"))
+
+    @property
+    def background_error(self) -> BaseException | None:
+        """The last failed background upload (remote), else None."""
+        return getattr(self._file, "background_error", None)
 
     def _write(self, data: bytes) -> None:
-        header = struct.pack("<Q", len(data))
-        self._file.write(header + struct.pack("<I", _masked(crc32c(header))) + data
-                         + struct.pack("<I", _masked(crc32c(data))))
+        self._file.write(_record(data))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._write(_event(step, scalars=values))
@@ -103,6 +113,12 @@ class ScalarWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _record(data: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC, the data, its masked CRC."""
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", _masked(crc32c(header))) + data + struct.pack("<I", _masked(crc32c(data)))
 
 
 def read_scalars(path: str | Path) -> list[tuple[int, str, float]]:

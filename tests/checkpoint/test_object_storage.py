@@ -82,7 +82,8 @@ def run_cli(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProces
 
 
 def read_jsonl(url_or_path: str) -> list[dict]:
-    return [json.loads(line) for line in storage.read_bytes(url_or_path).decode().splitlines()]
+    """A run log's lines, local or in a bucket (there: its segments, storage.read_appended)."""
+    return [json.loads(line) for line in storage.read_appended(url_or_path).decode().splitlines()]
 
 
 def losses(run_dir: str) -> dict[int, float]:
@@ -147,7 +148,7 @@ def test_sigkill_then_same_command_resumes_bitwise(resumed, reference):
 def test_goodput_of_a_run_in_the_bucket_equals_that_of_a_local_copy(resumed, tmp_path):
     from jaxtrain.observe.goodput import goodput
     for name in ("events.jsonl", "metrics.jsonl"):
-        (tmp_path / name).write_bytes(storage.read_bytes(f"{resumed.url}/{name}"))
+        (tmp_path / name).write_bytes(storage.read_appended(f"{resumed.url}/{name}"))
     remote, local = goodput(resumed.url), goodput(tmp_path)
     assert remote["attempts"] == 2 and remote["steps"]["final"] == STEPS, remote  # the killed attempt and the resume
     assert {**remote, "run_dir": None} == {**local, "run_dir": None}
@@ -157,22 +158,24 @@ def test_goodput_of_a_run_in_the_bucket_equals_that_of_a_local_copy(resumed, tmp
 def test_run_files_are_in_the_bucket(resumed):
     url, cwd = resumed.url, resumed.cwd
     names = {o.split("/resume/", 1)[1] for o in objects(url)}
-    assert {"config.yaml", "metrics.jsonl", "events.jsonl"} <= names
+    assert {"config.yaml", "metrics.jsonl.segments/000001.jsonl", "events.jsonl.segments/000001.jsonl"} <= names
     cfg_text = storage.read_bytes(f"{url}/config.yaml").decode()  # the resolved config
     assert f"steps: {STEPS}" in cfg_text and url in cfg_text
     events = read_jsonl(f"{url}/events.jsonl")
     kinds = [e["kind"] for e in events]
     assert kinds.count("start") == 2 and "resume" in kinds and kinds[-1] == "done"
-    # Object stores cannot append: the logs are rewritten whole, in the background and at every
-    # event. So each checkpoint_saved in events.jsonl had every metrics line up to its step
-    # stored with it, even in the killed run; the resumed run wrote every step after its restore.
+    # Object stores cannot append: the logs are written as segments, uploaded in the background
+    # at once after every event, the metrics before the events. So each checkpoint_saved stored
+    # had every metrics line up to its step stored with it, even in the killed run; the resumed
+    # run wrote every step after its restore.
     restored = next(e for e in events if e["kind"] == "resume")["restored_step"]
     saved_before_kill = [e["step"] for e in events[:kinds.index("start", 1)] if e["kind"] == "checkpoint_saved"]
     assert saved_before_kill, kinds
     required = set(range(1, max(saved_before_kill) + 1)) | set(range(restored + 1, STEPS + 1))
     assert required <= set(losses(url)), sorted(required - set(losses(url)))
     tb = [n for n in names if n.startswith("tensorboard/events.out.tfevents.")]
-    assert len(tb) == 2  # one event file per process start, as TensorBoard expects
+    # Event files of each process start (its pid in the name), each with its own header.
+    assert len({n.rsplit(".", 2)[1] for n in tb}) == 2, tb
     scalars = sum((read_scalars(f"{url}/{n}") for n in tb), [])
     assert {s for s, tag, _ in scalars if tag == "train/loss"} >= set(range(KILL_AT + 1, STEPS + 1))
     assert not any(name in os.listdir(cwd) for name in ("gs:", "s3:")), "nothing may land in a local 'gs:'/'s3:'"
@@ -186,7 +189,8 @@ def test_no_credential_in_any_object_local_file_or_stderr(resumed):
     fs = storage.filesystem(resumed.url)
     fs.invalidate_cache()
     scanned = {o.split("/resume/", 1)[1]: fs.cat_file(o) for o in fs.find(resumed.url)}
-    assert {"config.yaml", "metrics.jsonl", "events.jsonl"} <= set(scanned), sorted(scanned)
+    assert {"config.yaml", "metrics.jsonl.segments/000001.jsonl", "events.jsonl.segments/000001.jsonl"} <= set(
+        scanned), sorted(scanned)
     assert any(name.endswith(f"/{ckpt_lib.MARKER}") for name in scanned), sorted(scanned)
     for path in resumed.cwd.rglob("*"):
         if path.is_file():
@@ -304,7 +308,7 @@ def test_s3_chunks_split_within_shards_and_restore_across_them(servers, monkeypa
 
 
 def test_object_log_appends_across_writers(servers):
-    """A resumed run appends to the object it finds; flush() uploads and waits; what a killed
+    """A resumed run continues after the segments it finds; flush() uploads and waits; what a killed
     writer had not uploaded is lost (and only that)."""
     url = f"s3://{BUCKET}/appender/metrics.jsonl"
     killed = subprocess.run([sys.executable, "-c", f"""
@@ -318,16 +322,16 @@ f.write("b\\n")  # never uploaded: the background upload waits 60 s
 os._exit(0)  # like a kill: no close()
 """], capture_output=True, text=True, timeout=120)
     assert killed.returncode == 0, killed.stderr[-2000:]
-    assert storage.read_bytes(url) == b"a\n"
+    assert storage.read_appended(url) == b"a\n"
     second = storage.AppendOnlyFile(url, flush_interval_s=0.05)
     second.write("c\n")
     deadline = time.monotonic() + 10
-    while storage.read_bytes(url) != b"a\nc\n" and time.monotonic() < deadline:
+    while storage.read_appended(url) != b"a\nc\n" and time.monotonic() < deadline:
         time.sleep(0.05)  # the background upload
-    assert storage.read_bytes(url) == b"a\nc\n"
+    assert storage.read_appended(url) == b"a\nc\n"
     second.write("d\n")
     second.close()
-    assert storage.read_bytes(url) == b"a\nc\nd\n"
+    assert storage.read_appended(url) == b"a\nc\nd\n"
 
 
 # ----------------------------------------------------------------------------- user errors
