@@ -103,6 +103,15 @@ class PipelineConfig:
     # Rematerialise every pipeline iteration (keeps only the stages' inputs for the backward pass).
     # Turn off only to measure what it saves: activation memory then grows with R*M + S - 1.
     remat_iterations: bool = True
+    # Run the train.grad_accum microbatches as one pipeline pass of grad_accum x microbatches, so the
+    # fill/drain bubble is paid once per step, not once per accumulation microbatch. Costs activation
+    # memory: the pass keeps the stage inputs of the whole step's batch (false: of one accumulation microbatch).
+    fold_grad_accum: bool = True
+    # All-gather each stage's FSDP-sharded weights once per pipeline pass, before its loop, instead of
+    # in every one of its R*M + S - 1 iterations (MaxText's pipeline_fsdp_ag_once); their gradients are
+    # then reduce-scattered once after it. Costs memory: every device holds its stage's weights and
+    # weight gradients unsharded over fsdp for the whole pass.
+    gather_fsdp_once: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +135,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
-    remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy per layer
+    # Activation checkpointing (docs/pipeline.md, "Remat policies"): what the backward pass keeps of each layer
+    # (of each pipeline iteration under mesh.stage > 1): none, full (nothing), minimal / dots (every
+    # projection's output), save_qkv_proj, save_out_proj.
+    remat: Literal["none", "full", "dots", "minimal", "save_qkv_proj", "save_out_proj"] = "none"
     attention: Literal["auto", "xla", "pallas", "triton", "cudnn"] = "auto"
     init_std: float = 0.02
 

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
@@ -84,16 +85,17 @@ class Attention(nnx.Module):
                         cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
-        q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype))
-        k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype))
-        v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype))
+        # Each projection's output carries a checkpoint name (see REMAT_POLICIES).
+        q_BLNH = checkpoint_name(jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype)), "query_proj")
+        k_BLKH = checkpoint_name(jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype)), "key_proj")
+        v_BLKH = checkpoint_name(jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype)), "value_proj")
         q_BLNH = part.constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3),
                                 ("batch", "length", "heads", "head_dim"))
         k_BLKH = part.constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3),
                                 ("batch", "length", "kv_heads", "head_dim"))
         v_BLKH = part.constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
         o_BLNH = attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, self.implementation, part)
-        return jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype))
+        return checkpoint_name(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype)), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -106,10 +108,10 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
 
     def __call__(self, x_BLD, dtype, part: Partitioning):
-        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dtype))
-        up_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dtype))
+        gate_BLF = checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dtype)), "mlpwi_0")
+        up_BLF = checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dtype)), "mlpwi_1")
         h_BLF = part.constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dtype))
+        return checkpoint_name(jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dtype)), "mlpwo")
 
 
 class Block(nnx.Module):
@@ -125,10 +127,29 @@ class Block(nnx.Module):
         return part.constrain(x_BLD, ("batch", "length", "act_embed"))
 
 
-_REMAT_POLICIES = {
-    "full": None,  # save nothing inside a layer; recompute it all in the backward pass
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+# What the backward pass keeps of a layer's forward pass, by `model.remat` (MaxText's names). The
+# layer's projections carry checkpoint names (MaxText's spelling): a policy saves named tensors and
+# recomputes the rest. Names, unlike `dots_with_no_batch_dims_saveable`, survive the pipeline's
+# vmap over stages, under which every matmul gains a batch dimension.
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,  # no checkpoint: keep everything (under a pipeline: see remat_policy)
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the layer's input; recompute it all
+    "minimal": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),  # keep every projection's output
+    "dots": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),  # the earlier name of `minimal`
+    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj", "value_proj"),
+    "save_out_proj": jax.checkpoint_policies.save_only_these_names("out_proj"),
 }
+
+
+def remat_policy(name: str) -> Any:
+    """The `jax.checkpoint` policy of `model.remat=name`; `none` gives `nothing_saveable`.
+
+    `none` means "no checkpoint" where the caller decides whether to checkpoint at all (per layer
+    without a pipeline); the pipeline always checkpoints its iterations (`pipeline.remat_iterations`)
+    and there `none` saves nothing inside them, like `full`.
+    """
+    return REMAT_POLICIES[name] or jax.checkpoint_policies.nothing_saveable
 
 
 class Transformer(nnx.Module):
@@ -180,14 +201,19 @@ class Transformer(nnx.Module):
         x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "length", "act_embed"))
 
         graphdef, layers = nnx.split(self.blocks)
+        # Under a pipeline that rematerialises its iterations, model.remat's policy applies to each
+        # iteration (MaxText's default), not to each layer too: nested checkpoints would run every
+        # layer's forward pass three times (forward, the iteration's recompute, the layer's).
+        iteration_remat = part.schedule is not None and part.schedule.remat_iterations
+        per_layer_remat = cfg.remat != "none" and not iteration_remat
 
         def stack(x_BLD, positions_BL, segment_ids_BL, layers, part):
             """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's."""
             def layer(x_BLD, one_layer):
                 return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype, part), None
 
-            if cfg.remat != "none":
-                layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            if per_layer_remat:
+                layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
             if cfg.scan_layers:
                 return jax.lax.scan(layer, x_BLD, layers)[0]
             for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
@@ -198,7 +224,7 @@ class Transformer(nnx.Module):
             x_BLD = stack(x_BLD, positions_BL, segment_ids_BL, layers, part)
         else:  # mesh.stage > 1: the layers run as pipeline stages
             x_BLD = pipeline.run(stack, nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
-                                 segment_ids_BL, part)
+                                 segment_ids_BL, part, remat_policy=remat_policy(cfg.remat))
 
         return self.final_norm(x_BLD)
 

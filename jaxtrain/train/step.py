@@ -92,9 +92,10 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     compare layouts and kernels on what the step computes rather than on a separate function.
     """
     schedule = learning_rate_schedule(cfg)
-    accum = cfg.train.grad_accum
     z_loss, guard = cfg.stability.z_loss, cfg.stability.guard
     part = partitioning(cfg, mesh, rules)
+    # A pipeline schedule may fold the accumulation microbatches into one pass (pipeline.fold_grad_accum).
+    accum = pipeline.accumulation_steps(cfg.train.grad_accum, part.schedule)
 
     def scaled_loss(params, batch, scale, inject):
         objective, aux = loss_sum(params, graphdef, batch, z_loss, part)
