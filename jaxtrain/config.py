@@ -223,6 +223,11 @@ class FaultConfig:
     preflight: bool = True  # health check before training on multi-process jobs (always via `jaxtrain preflight`)
     preflight_factor: float = 0.7  # a process or link below this fraction of the median is named
     preflight_action: Literal["warn", "exit"] = "warn"  # exit: a named process stops the job with exit 75
+    # Host callbacks at the start and end of each compiled step time-stamp how far each process's
+    # devices got, so a hang is blamed on the process whose device or host stopped
+    # (jaxtrain/fault/step_marks.py). auto: multi-process jobs on GPU/TPU (on the CPU they make the
+    # dispatch wait for the step); always: every multi-process job; never: blame by beats and heartbeats.
+    step_markers: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +246,8 @@ class ChaosConfig:
     spike_factor: float = 100.0
     hang_at_step: int = -1  # hang_process stops making progress right after this step (first attempt only)
     hang_process: int = 0
+    hang_in_step: bool = False  # ... instead blocks INSIDE step hang_at_step (a host callback): peers wait in its collectives
+    hang_freeze: bool = False  # ... instead stops itself with SIGSTOP after that step (no heartbeat either)
     # A Python error in the loop: raise_process raises a RuntimeError right after this step (first attempt only).
     raise_at_step: int = -1
     raise_process: int = 0
@@ -592,6 +599,12 @@ def validate(cfg: Config) -> None:
                           f"or a list of such pairs [[i, j], ...]; got {ch.slow_link!r}")
     if ch.crash_process < -1:
         raise ConfigError(f"config key 'chaos.crash_process' must be a slot number >= 0 or -1 (none), got {ch.crash_process}")
+    if ch.hang_in_step and ch.hang_freeze:
+        raise ConfigError("config keys 'chaos.hang_in_step' and 'chaos.hang_freeze' are two ways to hang: set one, "
+                          "not both")
+    if ch.hang_in_step and cfg.fault.step_markers == "never":
+        raise ConfigError("config key 'chaos.hang_in_step' blocks inside the step's start mark, a host callback that "
+                          "fault.step_markers=never leaves out: set fault.step_markers=auto")
     ps = t.profile_steps
     if ps and not (len(ps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ps) and 1 <= ps[0] <= ps[1]):
         raise ConfigError(f"config key 'train.profile_steps' must be [first, last] with 1 <= first <= last "

@@ -43,6 +43,7 @@ from jaxtrain.fault.chaos import Chaos
 from jaxtrain.fault.preemption import HostSync, StopSignals, agree_on_startup_stop
 from jaxtrain.fault.preflight import run_preflight
 from jaxtrain.fault.stragglers import Stragglers, job_hosts
+from jaxtrain.fault.step_marks import StepMarks, wanted as step_marks_wanted, with_step_marks
 from jaxtrain.fault.watchdog import Watchdog
 from jaxtrain.model.attention import resolve_attention
 from jaxtrain.model.llama import Transformer
@@ -153,6 +154,10 @@ class Trainer:
         self.watchdog = Watchdog(cfg.fault, output_dir=self.output_dir, process_index=self.process_index,
                                  process_count=self.process_count, attempt=env.restart_attempt(),
                                  enabled=write_files)
+        # Host callbacks in the step time-stamp each device's progress for hang blame (step_marks.py).
+        self.step_marks = (StepMarks(len(self.mesh.local_devices), self.chaos.in_step)
+                           if step_marks_wanted(cfg, self.process_count, self.mesh.devices.flat[0].platform) else None)
+        self.watchdog.marks = self.step_marks
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
         self.guard = SpikeGuard(cfg, self._event)
@@ -245,7 +250,9 @@ class Trainer:
         under the start-up deadline, so a stalled filesystem is caught; once per process)."""
         with self.watchdog.compiling(last_compile_s(self._cache_dir)):
             t = time.perf_counter()
-            self.lowered_step = self.layout.lower_train_step()
+            marks = self.step_marks
+            self.lowered_step = self.layout.lower_train_step(
+                None if marks is None else lambda fn: with_step_marks(fn, self.mesh, marks))
             self.compiled_step = self.lowered_step.compile()
             self.compile_s = time.perf_counter() - t
 

@@ -6,6 +6,13 @@ exceptions: the numerics drills (they are data), `chaos.crash_process`, a bad no
 on every attempt until `jaxtrain launch --isolate-after` takes its slot out of the job, and
 `chaos.raise_at_step` with `chaos.raise_every_attempt`, a deterministic bug.
 Each drill that fires writes a `chaos` event first, so a run directory says what was injected.
+
+Three hangs, for the three ways a process can stop (docs/fault.md, "Who is blamed for a hang"):
+`chaos.hang_at_step` alone, a host that stops between steps (alive, silent, its devices idle);
+with `chaos.hang_in_step`, a process that blocks INSIDE the compiled step of `hang_at_step` (in
+the step's start mark, a host callback: `step_marks.py`), so its peers wait in the step's
+collectives as they would for a hung device; with `chaos.hang_freeze`, a process that stops
+itself with SIGSTOP after that step (every thread, the watchdog's heartbeat too).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -39,6 +47,7 @@ class Chaos:
         self.armed = attempt == 0
         self.slot = process_index if slot is None else slot
         self.crashes = self.cfg.crash_process >= 0 and self.slot == self.cfg.crash_process
+        self._in_step_fired = threading.Lock()  # the start mark runs once per local device: one event
 
     def at_start(self) -> None:
         """A slow start-up on `chaos.slow_process` (`chaos.start_delay_s`): processes reach the first
@@ -95,8 +104,28 @@ class Chaos:
             print(f"jaxtrain: chaos.raise_at_step: process {self.process_index} raises at step {step}",
                   file=sys.stderr, flush=True)
             raise RuntimeError(f"chaos.raise_at_step: injected error on process {self.process_index} at step {step}")
-        if self.armed and step == c.hang_at_step and self.process_index == c.hang_process:
+        if self.armed and step == c.hang_at_step and self.process_index == c.hang_process and not c.hang_in_step:
             jax.block_until_ready(state)
+            if c.hang_freeze:
+                self.event("chaos", step, drill="freeze", process=self.process_index)
+                print(f"jaxtrain: chaos.hang_freeze: process {self.process_index} stops itself (SIGSTOP) after "
+                      f"step {step}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops: no heartbeat, no watchdog
+                return
             self.event("chaos", step, drill="hang", process=self.process_index)
             while True:  # a hung host: alive, silent, holding its devices
                 time.sleep(3600)
+
+    def in_step(self, step: int) -> None:
+        """Called in the compiled step's start mark of `step` (a host callback, once per local device):
+        `chaos.hang_in_step` blocks here forever in step `chaos.hang_at_step` of `chaos.hang_process`,
+        so that process never enters the step's collectives and its peers wait in them."""
+        c = self.cfg
+        if not (c.hang_in_step and self.armed and step == c.hang_at_step and self.process_index == c.hang_process):
+            return
+        if self._in_step_fired.acquire(blocking=False):
+            self.event("chaos", step, drill="hang_in_step", process=self.process_index)
+            print(f"jaxtrain: chaos.hang_in_step: process {self.process_index} blocks inside step {step}",
+                  file=sys.stderr, flush=True)
+        while True:  # a hung device, as its peers see it: inside the step, never reaching its collectives
+            time.sleep(3600)

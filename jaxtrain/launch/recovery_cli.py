@@ -321,8 +321,9 @@ def _shrink(argv: list[str]) -> int:
 def _blame(argv: list[str]) -> int:
     own, train_argv = split_train_argv(argv)
     p = Parser(prog="jaxtrain recovery blame",
-               description="Print the process that the run's events blame for an exit 75 (a hang's process furthest "
-                           "behind, a failed preflight's slow one).")
+               description="Print the process that the run's events blame for an exit 75 (the one a hang event's "
+                           "verdict blames: stale heartbeat, or furthest behind through the step; a failed "
+                           "preflight's slow one).")
     p.add_argument("--since", type=float, default=0.0, metavar="T",
                    help="only events logged at UNIX time T or later (default: all)")
     args = parse(p, own)

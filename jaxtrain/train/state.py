@@ -97,20 +97,24 @@ class StateLayout:
             out["chaos"] = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
         return out
 
-    def jit_train_step(self, return_grads: bool = False) -> Callable:
+    def jit_train_step(self, return_grads: bool = False, wrap: Callable | None = None) -> Callable:
         """The train step jitted with explicit in/out shardings and the state donated.
 
         `return_grads` adds the applied gradients as a third output (sharded like the parameters).
+        `wrap(step_fn)`: a step function around the pure one, same signature (the watchdog's step
+        marks, jaxtrain/fault/step_marks.py).
         """
         step_fn = make_train_step(self.cfg, self.graphdef, self.optimizer, self.mesh, self.rules,
                                   return_grads=return_grads)
+        if wrap is not None:
+            step_fn = wrap(step_fn)
         out = (self.state_shardings, self.replicated) + ((self.param_shardings,) if return_grads else ())
         return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_shardings()),
                        out_shardings=out, donate_argnums=0)
 
-    def lower_train_step(self) -> jax.stages.Lowered:
-        """The train step lowered from shapes alone (no arrays, no data)."""
-        return self.jit_train_step().lower(self.abstract_state(), self.abstract_batch())
+    def lower_train_step(self, wrap: Callable | None = None) -> jax.stages.Lowered:
+        """The train step lowered from shapes alone (no arrays, no data); `wrap` as in jit_train_step."""
+        return self.jit_train_step(wrap=wrap).lower(self.abstract_state(), self.abstract_batch())
 
 
 def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:

@@ -27,7 +27,7 @@ from jaxtrain.fault.watchdog import LINGER_S
 # P = 1,000 runs 1,000 threads per operation (~30 s on 2 cores): in the full suite only (`slow`),
 # so the fast subset that CI repeats on Python 3.12 stays within its budget.
 SIZES = (8, 64, 256, pytest.param(1000, marks=pytest.mark.slow))
-LINGER_POLLS = int(LINGER_S / 0.2) + 1  # the hang declaration polls the hang directory every 0.2 s
+LINGER_POLLS = int(LINGER_S / 0.2) + 1  # the hang declaration polls the hang counter every 0.2 s
 
 # operation -> (most coordinator calls one process may make, bytes one process may move: a
 # constant, or "P" x that constant where every process must get a P-sized table by design)
@@ -40,8 +40,10 @@ BOUNDS: dict[str, tuple[int, tuple[str, int]]] = {
     "checkpoint discovery (latest_step)": (1, ("const", 200)),
     "checkpoint save (1 agreement, 3 barriers)": (11, ("const", 1000)),  # + process 0's generation delete
     "restart (job_hosts, latest_step, restore barrier)": (7, ("P", 100)),
-    "watchdog progress (one publish round)": (2, ("const", 200)),  # progress key, hang-directory read
-    "watchdog hang verdict": (2 + LINGER_POLLS, ("P", 100 * (1 + LINGER_POLLS))),
+    "watchdog progress (one publish round)": (2, ("const", 200)),  # heartbeat key, hang-counter read
+    # process 0: every heartbeat (one directory read); the others: process 0's heartbeat; then all
+    # declare (the counter) and poll it (test_the_hang_verdict_moves_linear_bytes: O(P) for the job)
+    "watchdog hang verdict": (2 + LINGER_POLLS, ("P", 200)),
     "preflight turns (CPU)": (10, ("const", 1000)),  # token, delete, pass, count, end token, barrier (3) [+windows]
     "preflight planning (pair exchanges)": (0, ("const", 0)),
     "straggler gather": (0, ("const", 0)),  # a device all-gather
@@ -71,6 +73,31 @@ def test_calls_are_constant_per_process_and_linear_per_job(p):
         assert m.rpcs_total <= per_process * p, (operation, m)
         assert m.bytes_max_per_process <= (nbytes * p if kind == "P" else nbytes), (operation, m)
         assert m.bytes_total <= (nbytes * p * p if kind == "P" else nbytes * p), (operation, m)
+
+
+@pytest.mark.parametrize("p", SIZES)
+def test_the_hang_verdict_moves_linear_bytes_for_the_whole_job(p):
+    """Formerly every process read every process's progress when a hang fired: P^2 bytes (~60 MB at
+    P = 1,000, with the declarations' directory polled on top). Now process 0 reads them all and
+    the others read process 0's heartbeat alone; the declarations are one counter."""
+    m = measured(p)["watchdog hang verdict"]
+    assert m.bytes_total <= (200 + 30 * LINGER_POLLS) * p, m
+
+
+def test_a_frozen_process_0_hands_the_hang_event_to_process_1():
+    """Process 0 never publishes (frozen): every other process finds its heartbeat missing, reads
+    all of them, and exactly process 1 writes the job's event, blaming process 0; each makes two
+    reads whatever P."""
+    from jaxtrain.config import FaultConfig
+    from jaxtrain.fault.watchdog import Watchdog
+
+    p = 64
+    service = FakeCoordinationService(p)
+    dogs = {i: Watchdog(FaultConfig(), output_dir="/nonexistent", process_index=i, process_count=p) for i in range(p)}
+    simulate("heartbeats", p, lambda i, kv: dogs[i]._publish(), service=service, absent=(0,))
+    m, views = simulate("verdict", p, lambda i, kv: dogs[i]._job_view(), service=service, absent=(0,))
+    assert not m.errors and m.rpcs_max_per_process == 2
+    assert [i for i, (writes, _) in views.items() if writes] == [1] and views[1][1].behind == [0]
 
 
 @pytest.mark.parametrize("p", SIZES)
