@@ -179,13 +179,14 @@ class StabilityConfig:
     """Spike detection in the step (jaxtrain/train/stability.py), automatic rollback on the host (rollback.py)."""
 
     guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
-    window: int = 100  # steps the running loss/grad-norm statistics span, and the window for max_spikes
-    spike_threshold: float = 6.0  # a spike: loss or grad norm this many standard deviations above its mean
-    min_history: int = 20  # clean steps seen before any spike is flagged
+    window: int = 100  # accepted steps whose loss/grad norm the median and MAD span; also the window for max_spikes
+    spike_threshold: float = 6.0  # a spike: loss or grad norm this many robust sigmas (1.4826 x MAD) above the median
+    min_history: int = 20  # values in the history before any spike is flagged (at most `window`)
     skip_spikes: bool = False  # do not apply a spike step's update (decided inside the step)
+    rebaseline_after: int = 10  # this many spikes in a row: the statistics restart from the new level
     max_spikes: int = 3  # this many spikes within `window` steps trigger a rollback (0 = never roll back)
-    skip_batches: int = 50  # after a rollback, skip this many batches of data
-    max_rollbacks: int = 3  # rollbacks per run; one more stops the run (exit 75) with a message
+    skip_batches: int = 50  # after a rollback, also skip this many batches past the last spike's batch
+    max_rollbacks: int = 3  # rollbacks per run; one more stops the run (exit 78, a human is needed) with a message
     z_loss: float = 0.0  # weight of the z-loss, mean(logsumexp(logits)**2), added to the loss (0 = off)
 
 
@@ -562,7 +563,10 @@ def validate(cfg: Config) -> None:
          "must be positive and at most precision.loss_scale_init"),
         ("stability.window", st.window, st.window > 0, "must be positive"),
         ("stability.spike_threshold", st.spike_threshold, st.spike_threshold > 0, "must be positive"),
-        ("stability.min_history", st.min_history, st.min_history >= 2, "must be at least 2 (a variance needs two values)"),
+        ("stability.min_history", st.min_history, st.min_history >= 2, "must be at least 2 (a spread needs two values)"),
+        ("stability.min_history", st.min_history, st.min_history <= st.window,
+         f"must be at most stability.window ({st.window}): the history holds only that many values"),
+        ("stability.rebaseline_after", st.rebaseline_after, st.rebaseline_after >= 1, "must be >= 1"),
         ("stability.max_spikes", st.max_spikes, st.max_spikes >= 0, "must be >= 0"),
         ("stability.skip_batches", st.skip_batches, st.skip_batches >= 0, "must be >= 0"),
         ("stability.max_rollbacks", st.max_rollbacks, st.max_rollbacks >= 0, "must be >= 0"),

@@ -82,8 +82,9 @@ class _Pending:
     """A step queued on the device whose metrics have not been read yet."""
 
     def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None,
-                 eval_s: float = 0.0):
+                 eval_s: float = 0.0, batch: int | None = None):
         self.step, self.metrics, self.data_wait_s, self.evaluation = step, metrics, data_wait_s, evaluation
+        self.batch = batch  # the data position of the batch it drew (where a rollback must skip past)
         self.values: dict | None = None  # the metrics as Python values, once read
         self.eval_s = eval_s  # host seconds spent queueing this step's evaluation
 
@@ -165,6 +166,7 @@ class Trainer:
             self.chaos.at_start()
             self.hosts = job_hosts(self.process_index, self.process_count, host=env.host_name())
             self._restore_or_init(write_files)
+            self._resume_guard()
         except BaseException:
             self.watchdog.stop()  # a user error (exit 2) is not a hang
             raise
@@ -266,7 +268,8 @@ class Trainer:
         """Queue one step on the device (and its evaluation, if due, on the parameters it produces)."""
         if self.compiled_step is None:
             self._compile()
-        batch_index = self.data.position if self.layout.chaos_drills else None
+        position = self.data.position
+        batch_index = position if self.layout.chaos_drills else None
         local = next(self.data)
         wait = float(getattr(self.data, "last_wait_s", 0.0))
         batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
@@ -284,7 +287,7 @@ class Trainer:
             with self._waiting():
                 evaluation = self.evaluator.dispatch(self.state["params"])
             eval_s = time.perf_counter() - t
-        return _Pending(self._host_step, metrics, wait, evaluation, eval_s)
+        return _Pending(self._host_step, metrics, wait, evaluation, eval_s, batch=position)
 
     def _values(self, pending: _Pending) -> dict:
         """A finished step's metrics as Python values (a host sync on that step, which the loop
@@ -327,7 +330,7 @@ class Trainer:
         """Read a dispatched step's metrics: the spike guard sees every step; log steps are logged."""
         if pending is None:
             return None
-        request = self.guard.observe(pending.step, self._values(pending))
+        request = self.guard.observe(pending.step, self._values(pending), batch=pending.batch)
         step, train = pending.step, self.cfg.train
         if force_log or step % train.log_every == 0 or step == train.steps or pending.evaluation is not None:
             self.log.metrics(self._record(pending))
@@ -345,7 +348,7 @@ class Trainer:
         self._skip_rolled_back_batches()
         self.throughput.restart(self._host_step)
         pending = self._dispatch()
-        self.guard.observe(pending.step, self._values(pending))
+        self.guard.observe(pending.step, self._values(pending), batch=pending.batch)
         return self._record(pending)
 
     def _take_pending(self) -> _Pending | None:
@@ -481,14 +484,21 @@ class Trainer:
     # ------------------------------------------------------------------ rollback
 
     def _skip_rolled_back_batches(self) -> None:
-        """Past a rollback's target step, skip the batches it left behind (also after a restart)."""
-        n = self.rollbacks.batches_to_skip(self._host_step)
+        """Before each draw: never a batch that a rollback left behind (also after a restart)."""
+        n = self.rollbacks.batches_to_skip(self.data.position)
         if n:
             self.data.skip_batches(n)
 
+    def _resume_guard(self) -> None:
+        """The spike guard's count of spikes in a row from the state just restored (a host sync:
+        after a restore only), so its spike_rebaseline events match the step's re-baselines."""
+        if self.cfg.stability.guard:
+            self.guard.resume(int(jax.device_get(self.state["stability"]["spike_run"])))
+
     def _roll_back(self, request: RollbackRequest) -> bool:
         """Restore the last committed checkpoint before the first spike (rollback.Rollbacks decides
-        which and discards the newer ones). False when stability.max_rollbacks is spent (exit 78)."""
+        which, records the data range to skip and discards the newer checkpoints; the next draw skips
+        that range). False when stability.max_rollbacks is spent (exit 78)."""
         try:
             plan = self.rollbacks.plan(request)
         except RollbackLimit as e:
@@ -499,14 +509,19 @@ class Trainer:
             return True
         self._pending = None  # the step queued after the last spike is thrown away with its state
         with self.watchdog.phase("checkpoint"):
-            discarded = self.rollbacks.commit(plan)
+            # Restored before the rollback is recorded: the record needs the target's data position.
+            # Nothing is discarded yet, so dying here only means the same rollback next time.
             self.state, extra = self.checkpointer.restore(plan.to_step, self.abstract_state())
-        self.data.set_state(extra["data"])
+            self.data.set_state(extra["data"])
+            record, discarded = self.rollbacks.commit(plan, data_from=self.data.position)
         self._host_step = plan.to_step
         self.guard.reset()
+        self._resume_guard()
         self.log.event("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
-                       batches_skipped=self.cfg.stability.skip_batches, spike_steps=list(plan.spike_steps),
-                       discarded_checkpoints=discarded, rollbacks=len(self.rollbacks))
+                       batches_skipped=record["skip_batches"], data_from=record["data_from"],
+                       data_to=record["data_to"], spike_steps=list(plan.spike_steps),
+                       spike_batches=list(plan.spike_batches), discarded_checkpoints=discarded,
+                       rollbacks=len(self.rollbacks))
         self.throughput.exclude(plan.to_step)
         return True
 

@@ -1,13 +1,20 @@
 """Loss-spike statistics inside the jitted step (`spike_check`, `update_statistics`).
 
-Running statistics of the loss and the gradient norm (an exponential moving mean and variance over
-about `stability.window` steps) live in the train state (`state["stability"]`). A step whose loss
-or gradient norm lies more than `stability.spike_threshold` standard deviations above the mean is
-a spike; with `stability.skip_spikes` its update is not applied. Skipped and non-finite steps never
-enter the statistics, and each value that does enters clipped to mean +- threshold x std
-(winsorised), so one NaN or one huge outlier cannot shift the mean or inflate the variance into
-hiding (or faking) the next spike. No spike is flagged before `stability.min_history` clean steps
-have been seen. What the host does with the flags (events, rollback) is `rollback.py`.
+Robust statistics of the loss and of the gradient norm live in the train state
+(`state["stability"]`): a ring buffer of each value over the last `stability.window` accepted
+steps, from which every step takes the median and the MAD (median absolute deviation from the
+median; sigma = 1.4826 x MAD, the standard deviation for normal noise). A step whose loss or
+gradient norm lies more than `stability.spike_threshold` sigmas ABOVE the median is a spike (the
+test is one-sided: a falling loss is progress); with `stability.skip_spikes` its update is not
+applied. Only accepted steps (applied and finite) enter the buffer, and an outlier that does enter
+(skip_spikes off) moves a median by at most one rank, so one NaN or one huge value can neither
+hide nor fake the next spike. No spike is flagged before `stability.min_history` values are in.
+
+A genuine level shift (the loss settles higher and stays there) would make every later step a
+spike, and with skip_spikes the statistics would never see the new level: the run would stop
+learning for good. So after `stability.rebaseline_after` spikes in a row the buffer starts again
+from the current value (re-baseline; the host logs `spike_rebaseline`, `rollback.SpikeGuard`).
+What the host does with the flags (events, rollback) is `rollback.py`.
 """
 
 from __future__ import annotations
@@ -15,28 +22,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, StabilityConfig
 
 Statistics = dict[str, jax.Array]
 
-_EPS = 1e-12
+SIGMA_PER_MAD = 1.4826  # 1 / Phi^-1(3/4): sigma of normal noise from its MAD
+MIN_SIGMA = 1e-6  # a floor for sigma, so a run of identical values does not make every change a spike
+SERIES = ("loss", "grad_norm")
 
 
-def init_statistics() -> Statistics:
-    """Empty statistics (`count` 0: nothing seen yet)."""
-    zero = jnp.float32(0.0)
-    return {"loss_mean": zero, "loss_var": zero, "grad_norm_mean": zero, "grad_norm_var": zero,
-            "count": jnp.int32(0), "skipped_steps": jnp.int32(0)}
+def init_statistics(window: int = StabilityConfig.window) -> Statistics:
+    """Empty statistics: `window`-long history buffers of which the first `count` slots hold values.
+    (Empty slots hold 0, not NaN: a state with a NaN in it is never checkpointed.)"""
+    empty = {f"{name}_history": jnp.zeros((window,), jnp.float32) for name in SERIES}
+    return {**empty, "count": jnp.int32(0), "spike_run": jnp.int32(0), "skipped_steps": jnp.int32(0)}
 
 
-def _z(stats: Statistics, name: str, x: jax.Array) -> jax.Array:
-    return (x - stats[f"{name}_mean"]) / jnp.sqrt(stats[f"{name}_var"] + _EPS)
+def robust_z(history: jax.Array, count: jax.Array, x: jax.Array) -> jax.Array:
+    """(x - median) / (1.4826 x MAD) over the filled slots of `history` (the first `count`, or all
+    once count >= its length); NaN when none is filled."""
+    values = jnp.where(jnp.arange(history.shape[0]) < count, history, jnp.nan)  # nanmedian skips the empty
+    median = jnp.nanmedian(values)
+    mad = jnp.nanmedian(jnp.abs(values - median))
+    return (x - median) / jnp.maximum(SIGMA_PER_MAD * mad, MIN_SIGMA)
 
 
 def spike_check(cfg: Config, stats: Statistics, loss: jax.Array, grad_norm: jax.Array) -> dict[str, jax.Array]:
-    """{"spike", "loss_z", "grad_norm_z"}: how far above their running means this step's values are."""
+    """{"spike", "loss_z", "grad_norm_z"}: how many robust sigmas above the median this step's values are."""
     s = cfg.stability
-    loss_z, grad_norm_z = _z(stats, "loss", loss), _z(stats, "grad_norm", grad_norm)
+    loss_z = robust_z(stats["loss_history"], stats["count"], loss)
+    grad_norm_z = robust_z(stats["grad_norm_history"], stats["count"], grad_norm)
     ready = stats["count"] >= s.min_history
     spike = ready & ((loss_z > s.spike_threshold) | (grad_norm_z > s.spike_threshold))
     return {"spike": spike, "loss_z": jnp.where(ready, loss_z, 0.0), "grad_norm_z": jnp.where(ready, grad_norm_z, 0.0)}
@@ -44,20 +59,24 @@ def spike_check(cfg: Config, stats: Statistics, loss: jax.Array, grad_norm: jax.
 
 def update_statistics(cfg: Config, stats: Statistics, loss: jax.Array, grad_norm: jax.Array,
                       accepted: jax.Array) -> Statistics:
-    """The statistics after a step; unchanged (bitwise) unless `accepted` (applied and finite)."""
+    """The statistics after a step. An accepted step (applied and finite) enters the buffers; any other
+    step leaves them unchanged (bitwise), except the re-baseline after `rebaseline_after` spikes in a
+    row, which empties them and lets this step's (finite) values in as the first of the new level."""
     s = cfg.stability
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    spike = finite & spike_check(cfg, stats, loss, grad_norm)["spike"]  # what the step flagged
+    # Spikes in a row: a clean finite step ends the run, a non-finite one (no value seen) does not.
+    run = jnp.where(spike, stats["spike_run"] + 1, jnp.where(finite, 0, stats["spike_run"]))
+    rebaseline = run >= s.rebaseline_after
     count = stats["count"]
-    # A plain running mean while the history is short, then an EMA over ~window steps.
-    alpha = jnp.maximum(2.0 / (s.window + 1), 1.0 / (count + 1).astype(jnp.float32))
-    ready = count >= s.min_history
+    enter = accepted | rebaseline
+    slot = jnp.where(rebaseline, 0, count % s.window)  # the oldest value's slot once the buffer is full
     new = dict(stats)
-    for name, x in (("loss", loss), ("grad_norm", grad_norm)):
-        mean, var = stats[f"{name}_mean"], stats[f"{name}_var"]
-        band = s.spike_threshold * jnp.sqrt(var + _EPS)
-        x = jnp.where(ready, jnp.clip(x, mean - band, mean + band), x)  # an outlier moves them a bounded step
-        delta = x - mean
-        new[f"{name}_mean"] = jnp.where(accepted, mean + alpha * delta, mean)
-        new[f"{name}_var"] = jnp.where(accepted, (1.0 - alpha) * (var + alpha * delta * delta), var)
-    new["count"] = jnp.where(accepted, count + 1, count)
+    for name, x in zip(SERIES, (loss, grad_norm)):
+        history = stats[f"{name}_history"]
+        start = jnp.where(rebaseline, jnp.zeros_like(history), history)
+        new[f"{name}_history"] = jnp.where(enter, start.at[slot].set(x), history)
+    new["count"] = jnp.where(rebaseline, 1, jnp.where(accepted, count + 1, count))
+    new["spike_run"] = jnp.where(rebaseline, 0, run)
     new["skipped_steps"] = jnp.where(accepted, stats["skipped_steps"], stats["skipped_steps"] + 1)
     return new

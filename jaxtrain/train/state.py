@@ -63,7 +63,7 @@ class StateLayout:
         params = nnx.to_pure_dict(nnx.state(model))
         return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
                 "rng": jax.random.key_data(jax.random.key(cfg.run.seed)),
-                "loss_scale": init_loss_scale(cfg), "stability": init_statistics()}
+                "loss_scale": init_loss_scale(cfg), "stability": init_statistics(cfg.stability.window)}
 
     def init(self) -> State:
         """A fresh state built directly in its shardings: no device ever holds the whole model."""

@@ -102,7 +102,7 @@ def test_rollback_finds_the_checkpoint_before_the_first_spike_despite_keep_last(
         f"run.output_dir={tmp_path}", "model.num_layers=1", "data.global_batch_size=8", "data.seq_len=32",
         "checkpoint.compilation_cache_dir=null", "train.steps=40", "train.log_every=1",
         "checkpoint.every_steps=10", "checkpoint.keep_last=2", "checkpoint.async_save=false",
-        "stability.min_history=5", "stability.window=30", "stability.spike_threshold=5", "stability.max_spikes=3",
+        "stability.min_history=10", "stability.window=30", "stability.spike_threshold=5", "stability.max_spikes=3",
         "stability.skip_batches=30", "chaos.spike_at_steps=[15,35,38]", "chaos.spike_factor=50"])
     t = Trainer(cfg_, write_files=True, devices=jax.devices()[:1])
     try:

@@ -147,7 +147,7 @@ def test_fp16_with_injected_overflows_ends_within_2_percent_of_fp32(tmp_path):
 
 
 def test_nonfinite_step_keeps_state_and_statistics_and_causes_no_false_spikes(tmp_path):
-    t = trainer(tmp_path, "chaos.nan_at_steps=[30]", "stability.min_history=5", "stability.window=10",
+    t = trainer(tmp_path, "chaos.nan_at_steps=[30]", "stability.min_history=10", "stability.window=10",
                 "stability.spike_threshold=4", "train.steps=45")
     for _ in range(29):
         t.step()
@@ -174,7 +174,7 @@ def test_nonfinite_step_keeps_state_and_statistics_and_causes_no_false_spikes(tm
 def test_a_skipped_spike_equals_never_seeing_that_batch(tmp_path):
     """skip_spikes: the update of the spiked batch is not applied. The reference run never draws
     that batch at all; parameters and optimizer state end bitwise equal."""
-    common = ["stability.min_history=5", "stability.spike_threshold=5", "train.steps=30"]
+    common = ["stability.min_history=10", "stability.spike_threshold=5", "train.steps=30"]
     spiked = trainer(tmp_path / "a", *common, "stability.skip_spikes=true", "chaos.spike_at_steps=[20]",
                      "chaos.spike_factor=50")
     records = [spiked.step() for _ in range(25)]
@@ -213,17 +213,120 @@ def test_z_loss_is_added_and_reported(tmp_path):
     assert with_z["z_loss"] > 0 and with_z["grad_norm"] != plain["grad_norm"]  # the objective did change
 
 
+# ----------------------------------------------------------------------------- spike statistics
+
+
+def reference_statistics(losses, grad_norms, *, window, min_history, threshold, rebaseline_after):
+    """An independent numpy model of the step's spike logic with skip_spikes: per step the z-scores
+    against the median and MAD (sigma = 1.4826 MAD) of the last `window` accepted values, the spike
+    flag, whether the update was skipped; and the accepted values held at the end."""
+    history: list[tuple[float, float]] = []  # (loss, grad norm) of accepted steps since the last re-baseline
+    run, out = 0, []
+    for loss, gn in zip(losses, grad_norms):
+        finite = np.isfinite(loss) and np.isfinite(gn)
+        recent = np.array(history[-window:], np.float64).reshape(-1, 2)
+        ready = len(history) >= min_history
+        z = np.zeros(2)
+        if ready:
+            median = np.median(recent, axis=0)
+            sigma = np.maximum(1.4826 * np.median(np.abs(recent - median), axis=0), 1e-6)
+            z = (np.array([loss, gn]) - median) / sigma
+        spike = bool(finite and ready and (z > threshold).any())
+        skipped = (not finite) or spike
+        run = run + 1 if spike else (0 if finite else run)
+        if run >= rebaseline_after:  # spikes in a row: the statistics restart from this value
+            history, run = [(loss, gn)], 0
+        elif not skipped:
+            history.append((loss, gn))
+        out.append((z, spike, skipped))
+    return out, history[-window:]
+
+
+def test_spike_statistics_are_the_median_and_mad_of_the_last_window_accepted_values():
+    """The jitted statistics against numpy over a sequence with every kind of outlier: a spike (skipped,
+    so it never enters), a NaN, a loss far BELOW the rest (accepted: the test is one-sided, and it moves
+    the median by one rank only), a grad-norm spike, wrap-around of the window, and a level shift that
+    is re-baselined after 3 spikes in a row. An EMA (the old statistics) gives other z-scores."""
+    from jaxtrain.train.stability import init_statistics, spike_check, update_statistics
+    W, M, threshold, K = 8, 4, 4.0, 3
+    cfg = load_config(TINY, [f"stability.window={W}", f"stability.min_history={M}", "stability.skip_spikes=true",
+                             f"stability.spike_threshold={threshold}", f"stability.rebaseline_after={K}"])
+    rng = np.random.default_rng(0)
+    n = 48
+    losses = (3.0 - 0.01 * np.arange(n) + 0.02 * rng.standard_normal(n)).astype(np.float32)
+    grad_norms = (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32)
+    losses[10], losses[11], losses[18], grad_norms[14] = 50.0, np.nan, -20.0, 40.0
+    losses[34:] += 5.0  # a level shift: spikes at 34, 35, 36, then the statistics restart from there
+
+    def one(stats, loss, grad_norm):  # what step.py does with the statistics, skip_spikes on
+        check = spike_check(cfg, stats, loss, grad_norm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        spike = finite & check["spike"]
+        skip = ~finite | spike
+        return update_statistics(cfg, stats, loss, grad_norm, ~skip), (check["loss_z"], check["grad_norm_z"], spike, skip)
+
+    stats = init_statistics(W)
+    step = jax.jit(one)
+    got = []
+    for loss, gn in zip(losses, grad_norms):
+        stats, flags = step(stats, jnp.float32(loss), jnp.float32(gn))
+        got.append(jax.device_get(flags))
+        # Finite at every step, the buffer's empty slots included: a state with a NaN is never checkpointed.
+        assert all(np.isfinite(np.asarray(v)).all() for v in stats.values()), len(got)
+    expected, held = reference_statistics(losses.astype(np.float64), grad_norms.astype(np.float64), window=W,
+                                          min_history=M, threshold=threshold, rebaseline_after=K)
+    for i, ((loss_z, gn_z, spike, skip), (z, ref_spike, ref_skip)) in enumerate(zip(got, expected)):
+        assert (bool(spike), bool(skip)) == (ref_spike, ref_skip), i
+        if np.isfinite(losses[i]):
+            np.testing.assert_allclose([loss_z, gn_z], z, rtol=1e-4, atol=1e-3, err_msg=f"step {i}")
+    # The outliers really were outliers, and the level shift really was re-baselined once.
+    assert [i for i, e in enumerate(expected) if e[1]] == [10, 14, 34, 35, 36]
+    assert not expected[18][1] and not expected[18][2]  # a low loss is no spike (and enters the history)
+    assert not any(e[2] for e in expected[37:])  # after the re-baseline every step is applied again
+    loss_history = np.asarray(stats["loss_history"])
+    assert int(stats["count"]) == n - 36 and int(stats["spike_run"]) == 0  # values since the re-baseline at 36
+    assert len(held) == W  # the window is full again: it holds the last W values, in ring order
+    np.testing.assert_array_equal(np.sort(loss_history), np.sort(np.float32([h[0] for h in held])))
+    assert int(stats["skipped_steps"]) == sum(e[2] for e in expected)
+
+
+def test_a_level_shift_with_skip_spikes_is_rebaselined_and_training_goes_on(tmp_path):
+    """The loss (and gradients) x3 from step 30 to the end, skip_spikes on and no rollbacks: a level
+    shift, not a bad batch. After rebaseline_after=4 skipped spikes in a row the statistics restart at
+    the new level (a spike_rebaseline event) and every later update is applied; the model keeps
+    learning. Frozen statistics would skip every step from 30 on for ever."""
+    K = 4
+    t = trainer(tmp_path, "stability.skip_spikes=true", "stability.max_spikes=0", "stability.min_history=20",
+                "stability.window=20", "stability.spike_threshold=5", f"stability.rebaseline_after={K}",
+                f"chaos.spike_at_steps={list(range(30, 61))}", "chaos.spike_factor=3", "train.steps=60",
+                "checkpoint.every_steps=0", write_files=True)
+    try:
+        records = [t.step() for _ in range(60)]
+    finally:
+        t.close()
+    assert [r["step"] for r in records if r["skipped"]] == [30, 31, 32, 33]
+    assert [r["step"] for r in records if r["spike"]] == [30, 31, 32, 33]
+    events = read_jsonl(tmp_path / "events.jsonl")
+    rebaselines = [e for e in events if e["kind"] == "spike_rebaseline"]
+    assert [(e["step"], e["spikes_in_a_row"]) for e in rebaselines] == [(33, K)]
+    # Learning goes on at the new level: the x3 loss falls after the re-baseline.
+    loss = {r["step"]: r["loss"] for r in records}
+    assert np.mean([loss[s] for s in range(56, 61)]) < np.mean([loss[s] for s in range(34, 39)]) - 0.05
+
+
 # ----------------------------------------------------------------------------- rollback
 
 
 # Spikes at steps 29, 31, 33 (batches 28, 30, 32) with a checkpoint every 10 steps: the rollback at 33
 # goes back to step 20 (the last checkpoint before the first spike), discarding the committed step-30
-# checkpoint, and skips batches 20..34, past every bad one. The NaN at step 12 is one skipped step that
+# checkpoint, and skips batches 20..47: up to the last bad one (32), and 15 more. The NaN at step 12 is one skipped step that
 # every later checkpoint carries (skipped_steps 1 in the progress line and the done event). Saves are
 # synchronous, so what a kill leaves committed does not depend on timing.
+# min_history=10 here and below: a MAD of only 5 values is noisy enough to flag this tiny run's
+# normal grad-norm wobble at step 8 (6.7 sigma); from 10 values on no clean step exceeds 3.1.
 ROLLBACK = ["train.steps=60", "train.log_every=1", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
             "checkpoint.async_save=false",
-            "stability.min_history=5", "stability.window=20", "stability.spike_threshold=5",
+            "stability.min_history=10", "stability.window=20", "stability.spike_threshold=5",
             "stability.max_spikes=3", "stability.skip_batches=15", "chaos.spike_at_steps=[29,31,33]",
             "chaos.spike_factor=50", "chaos.nan_at_steps=[12]"]
 
@@ -244,7 +347,7 @@ def progress_lines(stdout: str) -> dict[int, str]:
 def test_persistent_spikes_roll_back_once_skip_the_bad_batches_and_survive_a_restart(tmp_path):
     out = tmp_path / "run"
     # First attempt: spikes at 29, 31, 33 -> one rollback to the step-20 checkpoint, discarding the
-    # step-30 one, 15 batches skipped; training goes on from 20, saves a new step-30 checkpoint and
+    # step-30 one, batches 20..47 skipped (15 past the last bad one, 32); training goes on from 20, saves a new step-30 checkpoint and
     # is killed at step 38.
     killed = train(out, "chaos.kill_at_step=38")
     assert killed.returncode == -9, killed.stderr[-3000:]
@@ -253,7 +356,8 @@ def test_persistent_spikes_roll_back_once_skip_the_bad_batches_and_survive_a_res
     assert len(rollbacks) == 1, rollbacks
     rollback = rollbacks[0]
     assert (rollback["from_step"], rollback["to_step"], rollback["spike_steps"]) == (33, 20, [29, 31, 33])
-    assert rollback["batches_skipped"] == 15 and rollback["discarded_checkpoints"] == [30]
+    assert rollback["batches_skipped"] == 28 and rollback["discarded_checkpoints"] == [30]
+    assert (rollback["data_from"], rollback["data_to"], rollback["spike_batches"]) == (20, 48, [28, 30, 32])
     # Every drill is in events.jsonl, and so is what the guard made of it (the NaN: skipped; the spikes).
     drills = [(e["step"], e["drill"], e.get("batch")) for e in events if e["kind"] == "chaos"]
     assert drills == [(12, "nan", 11), (29, "spike", 28), (31, "spike", 30), (33, "spike", 32), (38, "kill", None)]
@@ -285,7 +389,7 @@ def test_persistent_spikes_roll_back_once_skip_the_bad_batches_and_survive_a_res
     for step in range(31, 38):  # (38 was killed before it was logged) the same batches, the same losses
         assert after_restart[step] == first_pass[step], step
     assert not any(m["spike"] for m in metrics[-30:])  # the second attempt's steps 31..60
-    # Every committed checkpoint is finite, and its data position is its step, plus the 15 skipped
+    # Every committed checkpoint is finite, and its data position is its step, plus the 28 skipped
     # batches after the rollback's target (the step-30 one included: the discarded one had 30).
     checkpoints = Checkpointer(str(out / "checkpoints"), load_config(out / "config.yaml").checkpoint)
     cfg = load_config(out / "config.yaml", ["checkpoint.compilation_cache_dir=null"])
@@ -295,7 +399,76 @@ def test_persistent_spikes_roll_back_once_skip_the_bad_batches_and_survive_a_res
     for step in good:
         state, extra = checkpoints.restore(step, abstract)
         assert all(np.isfinite(v).all() for v in named_leaves(state).values() if v.dtype.kind == "f"), step
-        assert extra["data"]["index"] == step + (15 if step > 20 else 0), step
+        assert extra["data"]["index"] == step + (28 if step > 20 else 0), step
+
+
+# A checkpoint every 10 steps, spikes at steps 35, 37, 39 (batches 34, 36, 38) and skip_batches=2: the
+# checkpoint before the spikes (step 30) lies further from them than skip_batches. Skipping only
+# skip_batches batches from the checkpoint's data position (30, 31) would draw 34, 36 and 38 again,
+# two steps earlier, and roll back again until stability.max_rollbacks is spent (exit 78).
+REPLAY = ["train.steps=50", "train.log_every=1", "checkpoint.every_steps=10", "checkpoint.keep_last=10",
+          "checkpoint.async_save=false", "stability.min_history=10", "stability.window=20",
+          "stability.spike_threshold=5", "stability.max_spikes=3", "stability.skip_batches=2",
+          "stability.max_rollbacks=2", "chaos.spike_at_steps=[35,37,39]", "chaos.spike_factor=50"]
+
+
+class Drawn:
+    """Wraps the trainer's data iterator and records the data position of every batch drawn."""
+
+    def __init__(self, inner):
+        self.inner, self.positions = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.positions.append(self.inner.position)
+        return next(self.inner)
+
+
+def test_a_rollback_skips_past_spikes_further_from_the_checkpoint_than_skip_batches(tmp_path):
+    first = trainer(tmp_path, *REPLAY, write_files=True)
+    first.data = drawn = Drawn(first.data)
+    # No checkpoint after step 30: the restart below resumes from the rollback's own target.
+    should_save = first.checkpointer.should_save
+    first.checkpointer.should_save = lambda step, **kw: step <= 30 and should_save(step, **kw)
+    try:
+        result = first.fit()
+    finally:
+        first.close()
+    assert result == {"step": 50, "exit_code": 0}, result
+    events = read_jsonl(tmp_path / "events.jsonl")
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1, rollbacks
+    r = rollbacks[0]
+    assert (r["from_step"], r["to_step"], r["spike_steps"], r["spike_batches"]) == (39, 30, [35, 37, 39], [34, 36, 38])
+    assert (r["data_from"], r["data_to"], r["batches_skipped"]) == (30, 41, 11)  # past batch 38, plus 2
+    # Batches 0..39 before the rollback (step 40's was queued when step 39's spike was read), then
+    # steps 31..50 draw 41..60: none of the spiking batches again, and no spike after the rollback.
+    assert drawn.positions == list(range(40)) + list(range(41, 61)), drawn.positions
+    after = events[events.index(r) + 1:]
+    assert not any(e["kind"] in ("chaos", "spike", "rollback_limit") for e in after), after
+    assert [e["step"] for e in events if e["kind"] == "spike"] == [35, 37, 39]
+
+    # A restart from the rollback's target (step 30, data position 30) skips the same range: the
+    # record in rollbacks.json holds it.
+    assert [c["step"] for c in list_checkpoints(str(tmp_path / "checkpoints")) if c["valid"]] == [10, 20, 30]
+    restarted = trainer(tmp_path, *REPLAY, write_files=True)
+    restarted.data = drawn = Drawn(restarted.data)
+    try:
+        assert restarted.resumed_from == 30 and restarted.data.position == 30
+        result = restarted.fit()
+    finally:
+        restarted.close()
+    assert result == {"step": 50, "exit_code": 0}, result
+    assert drawn.positions == list(range(41, 61)), drawn.positions
+    events = read_jsonl(tmp_path / "events.jsonl")
+    second = events[max(i for i, e in enumerate(events) if e["kind"] == "start"):]
+    assert not any(e["kind"] in ("chaos", "spike", "rollback") for e in second), second
+    assert len(json.loads((tmp_path / "checkpoints/rollbacks.json").read_text())["rollbacks"]) == 1
 
 
 class Died(Exception):
@@ -322,8 +495,8 @@ def test_a_rollback_that_died_before_discarding_is_completed_at_the_next_start(t
     try:
         assert [c["step"] for c in list_checkpoints(str(tmp_path / "checkpoints")) if c["valid"]] == [10, 20]
         assert restarted.resumed_from == 20 and restarted.data.position == 20
-        record = restarted.step()  # step 21 draws batch 35: batches 20..34 (the bad 28, 30, 32 among them) skipped
-        assert restarted.data.position == 20 + 15 + 1 and not record["spike"]
+        record = restarted.step()  # step 21 draws batch 48: batches 20..47 (the bad 28, 30, 32 among them) skipped
+        assert restarted.data.position == 48 + 1 and not record["spike"]
     finally:
         restarted.close()
 
@@ -354,6 +527,8 @@ def test_spikes_after_the_last_allowed_rollback_stop_the_run_with_exit_78(tmp_pa
     ("stability.max_rollbacks=-1", "stability.max_rollbacks' must be >= 0"),
     ("stability.z_loss=-0.1", "stability.z_loss' must be >= 0"),
     ("stability.min_history=1", "stability.min_history' must be at least 2"),
+    ("stability.min_history=150", "stability.min_history' must be at most stability.window (100)"),
+    ("stability.rebaseline_after=0", "stability.rebaseline_after' must be >= 1"),
     ("chaos.nan_at_steps=[0]", "chaos.nan_at_steps' must be a list of step numbers >= 1"),
     ("chaos.spike_factor=0", "chaos.spike_factor' must be positive"),
 ])
