@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import attend
+from jaxtrain.model.projection import project
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.sharding import Partitioning
 
@@ -86,16 +87,16 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
         # Each projection's output carries a checkpoint name (see REMAT_POLICIES).
-        q_BLNH = checkpoint_name(jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...].astype(dtype)), "query_proj")
-        k_BLKH = checkpoint_name(jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...].astype(dtype)), "key_proj")
-        v_BLKH = checkpoint_name(jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...].astype(dtype)), "value_proj")
+        q_BLNH = checkpoint_name(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype), "query_proj")
+        k_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wk[...], dtype), "key_proj")
+        v_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wv[...], dtype), "value_proj")
         q_BLNH = part.constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3),
                                 ("batch", "length", "heads", "head_dim"))
         k_BLKH = part.constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3),
                                 ("batch", "length", "kv_heads", "head_dim"))
         v_BLKH = part.constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
         o_BLNH = attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, self.implementation, part)
-        return checkpoint_name(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...].astype(dtype)), "out_proj")
+        return checkpoint_name(project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -108,10 +109,10 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
 
     def __call__(self, x_BLD, dtype, part: Partitioning):
-        gate_BLF = checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dtype)), "mlpwi_0")
-        up_BLF = checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dtype)), "mlpwi_1")
+        gate_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.w_gate[...], dtype), "mlpwi_0")
+        up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.w_up[...], dtype), "mlpwi_1")
         h_BLF = part.constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return checkpoint_name(jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dtype)), "mlpwo")
+        return checkpoint_name(project("blf,fd->bld", h_BLF, self.w_down[...], dtype), "mlpwo")
 
 
 class Block(nnx.Module):

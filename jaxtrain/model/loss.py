@@ -10,19 +10,28 @@ of the model FLOPs. `fused_loss` never holds more than one chunk of the sequence
   forward (differentiated):  for each chunk of C positions (a `lax.scan`):
       logits = x_c @ W                       (matmul 1)
       lse, target logit -> loss sums
-      dlogits = mask * (softmax * (1 + 2 z lse) - onehot(target))
+      dlogits = s * mask * (softmax * (1 + 2 z lse) - onehot(target))   (s: grad_scale, then cast)
       dx_c = dlogits @ W^T                   (matmul 2)
       dW  += x_c^T @ dlogits                 (matmul 3)
-  backward: scale the stored dx and dW by the incoming cotangent (the loss is a scalar).
+  backward: multiply the stored dx and dW by cotangent / s (the loss is a scalar).
+
+`s` is the cotangent the caller will apply (the train step passes loss scale / counted tokens), so
+the softmax gradient is scaled before it is rounded to the compute dtype: in fp16 the loss scale
+then protects the head's backward matmuls as it does every other layer's.
 
 So the three head matmuls of the plain loss remain, and nothing [B, L, V]-sized is ever stored:
 the gradient is computed while the chunk's logits are in cache. Undifferentiated calls (evaluation)
 run only matmul 1 per chunk (`jax.custom_vjp` calls the primal function then).
 
 Sharding: the chunks cut the length axis, so batch sharding (data/fsdp) is untouched. The head is
-gathered over fsdp once, before the loop (as FSDP gathers every weight), and dW is accumulated
-per batch shard ([G, D, V], G = the number of batch shards, each device holding its own
-partial sum): the cross-device reduction of dW happens once, after the loop, not once per chunk.
+gathered over fsdp once, before the loop (as FSDP gathers every weight), in the compute dtype.
+dW is accumulated in fp32 sharded like the head parameter: each chunk's partial dW is summed over
+the batch shards that share the head's fsdp shards (a reduce-scatter per chunk) into a
+[D/fsdp, V/tensor] accumulator per device, one per remaining (data) shard, reduced once after the
+loop. So the vocab-sized fp32 state of the loop shrinks with fsdp; the price is one
+reduce-scatter of a [D, V/tensor] fp32 partial per chunk (few chunks on accelerators: 1 GiB of
+logits each). Without fsdp this is the earlier layout: a partial sum per batch shard, one
+reduction after the loop.
 The vocab axis may be sharded (tensor): the softmax reductions over it become all-reduces, and the
 target logit is picked by an iota compare, which partitions without gathering the vocab.
 
@@ -33,8 +42,11 @@ equal the plain loss's to ~1e-6 relative, masked tokens included.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.parallel.sharding import Partitioning
 
@@ -57,8 +69,10 @@ def chunk_length(B: int, L: int, V: int, chunk_bytes: int | None = None,
     return max(fitting, default=1)
 
 
-def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool, part: Partitioning):
-    """Loss sums of one chunk, and (with_grads) d(objective)/d(x chunk) and the chunk's dW per batch shard."""
+def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool, part: Partitioning,
+                grad_scale=1.0):
+    """Loss sums of one chunk, and (with_grads) grad_scale x d(objective)/d(x chunk) and the chunk's
+    grad_scale x dW per batch shard."""
     logits = jnp.einsum("gbcd,dv->gbcv", x_GBCD, head_DV, preferred_element_type=jnp.float32)
     logits = part.constrain(logits, ("batch", None, "length", "vocab"))
     peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -72,9 +86,12 @@ def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grad
     z = jnp.sum(lse_GBC * lse_GBC * mask_GBC)
     if not with_grads:
         return ce, z
-    # d/dlogits of mask * (lse - logit[target] + z_loss * lse^2) = mask * (p (1 + 2 z_loss lse) - onehot).
-    weight = (mask_GBC * (1.0 + 2.0 * z_loss * lse_GBC))[..., None] / total
-    dlogits = exp * weight - jnp.where(is_target, mask_GBC[..., None], 0.0)
+    # d/dlogits of mask * (lse - logit[target] + z_loss * lse^2) = mask * (p (1 + 2 z_loss lse) - onehot),
+    # times the cotangent to come (the loss scale / tokens) *before* the cast: in fp16 p ~ 1/V is
+    # mostly subnormal, and the loss scale exists to lift exactly these values into range.
+    scaled_mask = mask_GBC * grad_scale
+    weight = (scaled_mask * (1.0 + 2.0 * z_loss * lse_GBC))[..., None] / total
+    dlogits = exp * weight - jnp.where(is_target, scaled_mask[..., None], 0.0)
     dlogits = dlogits.astype(x_GBCD.dtype)  # the backward matmuls run in the compute dtype
     dx = jnp.einsum("gbcv,dv->gbcd", dlogits, head_DV, preferred_element_type=jnp.float32)
     dW = jnp.einsum("gbcd,gbcv->gdv", x_GBCD, dlogits, preferred_element_type=jnp.float32)
@@ -94,16 +111,46 @@ def _unsplit(a):
     return jnp.moveaxis(a, 0, 2).reshape(G * b, n * C, *a.shape[4:])
 
 
+def _dW_layout(part: Partitioning, G: int) -> tuple[int, Any]:
+    """How the chunk loop accumulates dW: (R, sharding of the [R, D, V] fp32 accumulator).
+
+    The head parameter is [D, V] with D over the `embed` axes (fsdp) and V over `vocab` (tensor).
+    Each batch shard's partial dW is summed over the batch shards that share the `embed` axes once
+    per chunk (a reduce-scatter), so the accumulator is held sharded like the parameter, one per
+    remaining batch shard (R of them, e.g. over data): [D/fsdp, V/tensor] fp32 per device instead
+    of [D, V/tensor]. That needs the embed axes to be the innermost batch axes (the default rules);
+    otherwise (or without a mesh) R = G and each device keeps its own [D, V/tensor] partial sum.
+    """
+    mesh = part.mesh
+    if mesh is None or G == 1:
+        return G, None
+
+    def axes(name: str) -> tuple[str, ...]:
+        entry = part.spec((name,))[0]
+        entries = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        return tuple(a for a in entries if mesh.shape[a] > 1)
+
+    batch, embed, vocab = axes("batch"), axes("embed"), axes("vocab")
+    if not embed or batch[len(batch) - len(embed):] != embed:
+        return G, NamedSharding(mesh, part.spec(("batch", None, "vocab")))
+    ways = 1
+    for a in embed:
+        ways *= mesh.shape[a]
+    rest = batch[:len(batch) - len(embed)]
+    return G // ways, NamedSharding(mesh, P(rest or None, embed, vocab or None))
+
+
 def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: int, with_grads: bool,
-                    part: Partitioning):
+                    part: Partitioning, grad_scale=1.0):
     B, L, D = x_BLD.shape
     V = head_DV.shape[1]
     G = part.ways("batch")
     constrain = part.constrain
     if B % G:
         G = 1  # a batch that does not split evenly (eval on odd shapes): one partial sum
-    # Gather the head over fsdp once, before the loop, not once per chunk.
-    head = constrain(head_DV.astype(x_BLD.dtype), (None, "vocab"))
+    # Gather the head over fsdp once, before the loop, not once per chunk, in the compute dtype
+    # (the cast stays on the shard: the gather moves 16-bit values under bf16/fp16).
+    head = constrain(constrain(head_DV.astype(x_BLD.dtype), ("embed", "vocab")), (None, "vocab"))
     xs = (_split(x_BLD, G, chunk), _split(targets_BL, G, chunk), _split(mask_BL.astype(jnp.float32), G, chunk))
 
     if not with_grads:
@@ -113,21 +160,31 @@ def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: i
         (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), xs)
         return ce, z
 
+    R, acc_sharding = _dW_layout(part, G)
+
+    def place(dW_RDV):
+        return dW_RDV if acc_sharding is None else jax.lax.with_sharding_constraint(dW_RDV, acc_sharding)
+
     def body(carry, c):
         ce_acc, z_acc, dW_acc = carry
-        ce, z, dx, dW = _chunk_sums(c[0], head, c[1], c[2], z_loss, with_grads=True, part=part)
-        dW = constrain(dW_acc + dW, ("batch", None, "vocab"))  # per batch shard: no reduction in the loop
-        return (ce_acc + ce, z_acc + z, dW), dx
+        ce, z, dx, dW_GDV = _chunk_sums(c[0], head, c[1], c[2], z_loss, with_grads=True, part=part,
+                                        grad_scale=grad_scale)
+        # Sum the batch shards that share the head's embed shards (reduce-scatter into the
+        # parameter's layout); the other shards keep their own partial sums, reduced after the loop.
+        dW_RDV = jnp.sum(dW_GDV.reshape(R, G // R, D, V), axis=1)
+        return (ce_acc + ce, z_acc + z, place(dW_acc + place(dW_RDV))), dx
 
-    dW0 = constrain(jnp.zeros((G, D, V), jnp.float32), ("batch", None, "vocab"))
-    (ce, z, dW_GDV), dx = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), dW0), xs)
+    dW0 = place(jnp.zeros((R, D, V), jnp.float32))
+    (ce, z, dW_RDV), dx = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), dW0), xs)
     dx_BLD = constrain(_unsplit(dx), ("batch", "length", "act_embed"))
-    return ce, z, dx_BLD, jnp.sum(dW_GDV, axis=0)  # the one cross-shard reduction of dW
+    dW_DV = constrain(jnp.sum(dW_RDV, axis=0), ("embed", "vocab"))  # the one reduction over the remaining shards
+    return ce, z, dx_BLD, dW_DV
 
 
 def fused_loss(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array, mask_BL: jax.Array,
                z_loss: float = 0.0, chunk: int | None = None,
-               part: Partitioning = Partitioning()) -> tuple[jax.Array, jax.Array, jax.Array]:
+               part: Partitioning = Partitioning(),
+               grad_scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(objective, cross-entropy sum, z-loss sum) of the output head over the counted tokens.
 
     objective = sum(mask * ce) + z_loss * sum(mask * lse^2), lse = logsumexp of the logits. Only
@@ -141,6 +198,11 @@ def fused_loss(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array, mask
       z_loss: weight of the z-loss term (static).
       chunk: positions per chunk (a divisor of L); default `chunk_length` for this platform.
       part: the mesh and rules the loss runs under (batch shards, vocab shards); none by default.
+      grad_scale: the cotangent the caller expects to apply to the objective (the train step: loss
+        scale / counted tokens). The softmax gradient is multiplied by it before it is rounded to
+        the compute dtype, so under fp16 the loss scale protects the head's backward matmuls too;
+        the backward pass then multiplies by cotangent / grad_scale (1 when it was right). Any
+        value gives the same gradients in exact arithmetic; it changes only where fp16 rounds.
     Returns:
       (objective, ce_sum, z_sum), fp32 scalars.
     """
@@ -152,20 +214,24 @@ def fused_loss(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array, mask
     z_loss = float(z_loss)
 
     @jax.custom_vjp
-    def objective(x, head, targets, mask):
+    def objective(x, head, targets, mask, scale):
         ce, z = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=False, part=part)
         return ce + z_loss * z, (ce, z)
 
-    def forward(x, head, targets, mask):
-        ce, z, dx, dW = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=True, part=part)
-        return (ce + z_loss * z, (ce, z)), (dx, dW)
+    def forward(x, head, targets, mask, scale):
+        ce, z, dx, dW = _loss_and_grads(x, head, targets, mask, z_loss, chunk, with_grads=True, part=part,
+                                        grad_scale=scale)
+        return (ce + z_loss * z, (ce, z)), (dx, dW, scale)
 
     def backward(grads, cotangents):
-        g = cotangents[0]  # the sums' cotangents are zero: they leave through stop_gradient below
-        dx, dW = grads
-        # Targets and mask are data, not differentiated (None: a zero cotangent).
-        return (g * dx).astype(x_BLD.dtype), (g * dW).astype(head_DV.dtype), None, None
+        dx, dW, scale = grads
+        # The stored gradients already carry `scale`; the sums' cotangents are zero (they leave
+        # through stop_gradient below).
+        g = cotangents[0] / scale
+        # Targets, mask and the scale are not differentiated (None: a zero cotangent).
+        return (g * dx).astype(x_BLD.dtype), (g * dW).astype(head_DV.dtype), None, None, None
 
     objective.defvjp(forward, backward)
-    total, (ce, z) = objective(x_BLD, head_DV, targets_BL, mask_BL)
+    scale = jax.lax.stop_gradient(jnp.asarray(grad_scale, jnp.float32))
+    total, (ce, z) = objective(x_BLD, head_DV, targets_BL, mask_BL, scale)
     return total, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)

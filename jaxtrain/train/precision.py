@@ -7,8 +7,9 @@ Policies (`precision.policy`):
   bf16 has fp32's exponent range, so gradients cannot overflow: no loss scaling.
 - `fp16`: like bf16 with float16 compute. fp16's range is 6e-8 .. 65504: small gradients underflow
   unless the loss is scaled up before the backward pass, and a scale that is too large overflows.
-  The dynamic loss scaler keeps the largest scale that does not overflow: it multiplies the loss by
-  `scale`, divides the gradients by it, halves it (`backoff_factor`) on a step whose gradients are
+  The dynamic loss scaler keeps the largest scale that does not overflow: it multiplies the mean
+  loss (over the global batch's counted tokens, so a scale means the same at any tokens per step)
+  by `scale`, divides the gradients by it, halves it (`backoff_factor`) on a step whose gradients are
   not finite (that step is skipped by the guard in the train step) and doubles it
   (`growth_factor`) after `growth_interval` clean steps in a row, never below `min_loss_scale`.
 

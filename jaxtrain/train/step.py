@@ -44,18 +44,22 @@ def partitioning(cfg: Config, mesh: Mesh | None, rules: Rules | None) -> Partiti
 
 
 def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 0.0,
-             part: Partitioning = Partitioning()) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+             part: Partitioning = Partitioning(), grad_scale: jax.Array | float = 1.0
+             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """(objective sum, (cross-entropy sum, z-loss sum, counted tokens)) for one (micro)batch.
 
     The objective is the cross-entropy plus `z_loss` x logsumexp(logits)**2 (PaLM's z-loss, which
     keeps the log-partition near 0 and the softmax well conditioned), summed over counted tokens.
     The head and the loss run fused and chunked (`jaxtrain.model.loss.fused_loss`): the full [B, L, V]
-    logits and their gradient are never materialised.
+    logits and their gradient are never materialised. `grad_scale`: the cotangent the caller will
+    multiply the objective by (loss scale / token count), applied inside the loss before its
+    softmax gradient is rounded to the compute dtype (see `fused_loss`); it changes no value.
     """
     model = nnx.merge(graphdef, params)
     x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], part)
     mask = batch["loss_mask"].astype(jnp.float32)
-    objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss, part=part)
+    objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss, part=part,
+                                  grad_scale=grad_scale)
     return objective, (ce, z, jnp.sum(mask))
 
 
@@ -81,6 +85,29 @@ def advance_rng(rng: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), step))
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """True when every element of every leaf of `tree` is finite (a tree-wide isfinite reduction)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+def global_norm(tree: Any, finite: jax.Array) -> jax.Array:
+    """The global L2 norm of `tree`; finite whenever every element is (`finite`).
+
+    The plain sum of squares overflows fp32 for large finite elements; only then (a `cond`, so the
+    common case costs nothing extra) the norm is taken of the tree divided by its largest magnitude
+    and multiplied back.
+    """
+    norm = optax.tree.norm(tree)
+
+    def rescaled() -> jax.Array:
+        peak = jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)]))
+        peak = jnp.maximum(peak, jnp.finfo(jnp.float32).tiny)
+        return peak * optax.tree.norm(jax.tree_util.tree_map(lambda x: x / peak, tree))
+
+    return jax.lax.cond(finite & ~jnp.isfinite(norm), rescaled, lambda: norm)
+
+
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     mesh: Mesh | None = None, rules: Rules | None = None,
                     return_grads: bool = False) -> Callable[[State, Batch], tuple[State, dict]]:
@@ -97,10 +124,11 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     # A pipeline schedule may fold the accumulation microbatches into one pass (pipeline.fold_grad_accum).
     accum = pipeline.accumulation_steps(cfg.train.grad_accum, part.schedule)
 
-    def scaled_loss(params, batch, scale, inject):
-        objective, aux = loss_sum(params, graphdef, batch, z_loss, part)
-        # The loss scale (fp16) and the chaos drill's factor multiply what is differentiated.
-        return objective * scale * inject, aux
+    def scaled_loss(params, batch, grad_scale, inject):
+        objective, aux = loss_sum(params, graphdef, batch, z_loss, part, grad_scale)
+        # What is differentiated: the mean loss times the loss scale (fp16; grad_scale = scale / the
+        # global count of counted tokens), times the chaos drill's factor.
+        return objective * grad_scale * inject, aux
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -109,22 +137,28 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         batch = dict(batch)
         inject = batch.pop("chaos", jnp.float32(1.0))  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
         scale = state["loss_scale"]["scale"]
+        # The loss scale multiplies the *mean* loss: the count of counted tokens of the whole global
+        # batch (all microbatches) is known before the backward pass, so the scale's meaning (and
+        # the fp16 overflow threshold of a given scale) does not depend on tokens per step.
+        denom = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        grad_scale = scale / denom
         if accum == 1:
-            (_, (ce, z, tokens)), grads = grad_fn(params, batch, scale, inject)
+            (_, (ce, z, tokens)), grads = grad_fn(params, batch, grad_scale, inject)
         else:
             def micro(carry, mb):
-                (_, (c, zz, n)), g = grad_fn(params, mb, scale, inject)
+                (_, (c, zz, n)), g = grad_fn(params, mb, grad_scale, inject)
                 ce_acc, z_acc, tok_acc, grad_acc = carry
                 return (ce_acc + c, z_acc + zz, tok_acc + n, jax.tree_util.tree_map(jnp.add, grad_acc, g)), None
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
             (ce, z, tokens, grads), _ = jax.lax.scan(
                 micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum, part))
-        denom = jnp.maximum(tokens, 1.0)
-        grads = jax.tree_util.tree_map(lambda g: g / (scale * denom), grads)
+        grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
         loss = ce * inject / denom  # what a drill injected shows in the loss too
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # Finite from every element, not from the norm: a sum of squares in fp32 overflows for
+        # finite gradients (one element above ~1.8e19), which would skip a good step.
+        finite = jnp.isfinite(loss) & all_finite(grads)
+        grad_norm = global_norm(grads, finite)
 
         stats = state["stability"]
         spike = spike_check(cfg, stats, loss, grad_norm)

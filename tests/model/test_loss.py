@@ -1,11 +1,15 @@
 """The fused, chunked loss (jaxtrain/model/loss.py) against the plain loss on materialised logits.
 
-fp32 throughout: objective, cross-entropy and z-loss sums, and the gradients with respect to the
-hidden states and the head, to 1e-5 relative, with masked tokens and with z-loss; alone, inside
-the model's loss_sum, and sharded over data x fsdp x tensor on 8 simulated devices.
+fp32: objective, cross-entropy and z-loss sums, and the gradients with respect to the hidden
+states and the head, to 1e-5 relative, with masked tokens and with z-loss; alone, inside the
+model's loss_sum, sharded over data x fsdp x tensor on 8 simulated devices (with dW accumulated
+sharded like the head), and the train step's own gradients against autodiff of the mean loss
+plus z-loss. fp16/bf16: the fused loss with a loss-scale cotangent against fp32.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,13 +161,88 @@ def test_sharded_fused_loss_equals_plain_loss():
     got = value_and_grads(sharded, x, head, targets, mask, 0.1)
     for name, g, w in zip(("objective", "ce", "z", "dx", "dhead"), got, want):
         assert rel(g, w) <= TOL, (name, rel(g, w))
-    hlo = jax.jit(jax.grad(lambda x, h: sharded(x, h, targets, mask, 0.1)[0], argnums=(0, 1))).lower(x, head).compile().as_text()
-    # dW (f32[16,32] per device: D whole, V over tensor) is reduced across the batch shards once,
-    # in the entry computation after the chunk loop, not once per chunk inside it.
+    # The compiled fp16 gradient (fp16: the CPU backend upcasts bf16 collectives to fp32, not fp16
+    # ones): the head is gathered over fsdp in fp16 (f16[16,32] per device: D=16 whole, V=64 over
+    # tensor=2), and dW is accumulated in fp32 sharded like the head parameter: the chunk loop carries
+    # one f32[8,32] per device (D over fsdp=2), never a whole-D f32[16,32] partial sum. Each chunk's
+    # partial is reduced over fsdp inside the loop; what remains (over data) once, after it.
+    x_fp16 = x.astype(jnp.float16)
+    hlo = jax.jit(jax.grad(lambda x, h: sharded(x, h, targets, mask, 0.1)[0], argnums=(0, 1))).lower(x_fp16, head).compile().as_text()
+    gathers = [m.group(1) for m in re.finditer(r"= (.*?) all-gather(?:-start)?\(", hlo)]
+    assert gathers and all(g.startswith("f16[16,32]") for g in gathers), gathers
+    carries = [line.split(" while(")[0] for line in hlo.splitlines() if " while(" in line]
+    assert carries and all("f32[1,8,32]" in line for line in carries), carries
+    # (An f32[16,32] without the leading shard dimension is the gathered head, upcast for the CPU's dots.)
+    assert not any("f32[1,16,32]" in line for line in carries), carries
     where, computation = [], None
     for line in hlo.splitlines():
         if line.endswith("{") and " = " not in line:
             computation = line.split()[0] if not line.startswith("ENTRY") else "ENTRY"
-        elif " all-reduce(" in line and line.split("=", 1)[1].strip().startswith("f32[16,32]"):
+        elif re.search(r" (all-reduce|reduce-scatter)(-start)?\(", line) and "f32[8,32]" in line.split("(")[0]:
             where.append(computation)
     assert where == ["ENTRY"], where
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float16, 2e-3), (jnp.bfloat16, 1e-2)])
+def test_low_precision_fused_loss_follows_fp32_with_a_loss_scale(dtype, tol):
+    """fp16/bf16 inputs, cotangent 2**12 (a loss scale), against the fp32 plain loss on the same
+    rounded inputs. The softmax gradient is scaled before it is rounded to the compute dtype: in fp16
+    the low-probability columns' p (~1e-5, subnormal) keep their precision. Rounded first and scaled
+    after (the loss scale protecting nothing in the head), their dW was off by 1.4e-2."""
+    x, head, targets, mask = inputs(B=4, L=32, D=32, V=2048, seed=5)
+    head = head * 2.0  # a peaked softmax: most probabilities far below fp16's smallest normal 6e-5
+    x_lp, c = x.astype(dtype), 2.0 ** 12
+    ref_dx, ref_dW = jax.grad(lambda x, h: c * plain_loss(x, h, targets, mask, 0.0)[0], argnums=(0, 1))(
+        x_lp.astype(jnp.float32), head.astype(dtype).astype(jnp.float32))
+
+    def fused(grad_scale):
+        f = lambda x, h: c * fused_loss(x, h, targets, mask, 0.0, chunk=8, grad_scale=grad_scale)[0]
+        return jax.jit(jax.grad(f, argnums=(0, 1)))(x_lp, head)
+
+    counted = np.asarray(targets)[np.asarray(mask) > 0]
+    cols = np.setdiff1d(np.arange(head.shape[1]), counted)  # columns no counted token targets: p only
+    want = np.asarray(ref_dW, np.float64)[:, cols]
+    low = np.argsort(np.linalg.norm(want, axis=0))[:len(cols) // 2]  # the less probable half
+
+    def column_error(dW):
+        got = np.asarray(dW, np.float64)[:, cols]
+        return float(np.max((np.linalg.norm(got - want, axis=0) / np.linalg.norm(want, axis=0))[low]))
+
+    dx, dW = fused(c)
+    assert dx.dtype == dtype and dW.dtype == jnp.float32
+    assert rel(dx, ref_dx) <= tol and rel(dW, ref_dW) <= tol
+    assert column_error(dW) <= tol, column_error(dW)
+    if dtype == jnp.float16:  # rounded before the scale (grad_scale=1): the subnormals lose their digits
+        assert column_error(fused(1.0)[1]) > 5 * column_error(dW)
+
+
+def test_step_gradients_are_those_of_the_mean_loss_with_z_loss():
+    """The train step's own gradients (return_grads; fp32, loss scale 1) with z_loss = 0.05 equal
+    autodiff of mean(ce) + 0.05 mean(lse^2) over the counted tokens, on materialised logits: the sign,
+    the coefficient and the normalisation of the z-loss term, and the reported metrics."""
+    from jaxtrain.parallel.mesh import build_mesh
+    from jaxtrain.train.state import build_layout
+    w = 0.05
+    cfg = small_model_config([f"stability.z_loss={w}", "optim.grad_clip_norm=0", "mesh.data=1"])
+    layout = build_layout(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    state = layout.init()
+    params = jax.device_get(state["params"])
+    batch = model_batch(cfg, seed=4)
+
+    def mean_objective(p):
+        model = nnx.merge(layout.graphdef, p)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        ce_BL, lse_BL = token_losses(logits, batch["targets"])
+        mask = batch["loss_mask"]
+        n = np.sum(mask)
+        return jnp.sum(ce_BL * mask) / n + w * jnp.sum(lse_BL ** 2 * mask) / n, (jnp.sum(ce_BL * mask) / n,
+                                                                                 jnp.sum(lse_BL ** 2 * mask) / n)
+
+    (_, (want_ce, want_z)), want = jax.jit(jax.value_and_grad(mean_objective, has_aux=True))(params)
+    _, metrics, got = layout.jit_train_step(return_grads=True)(state, batch)
+    errors = jax.tree_util.tree_map(rel, jax.device_get(got), want)
+    assert max(jax.tree_util.tree_leaves(errors)) <= TOL, errors
+    assert rel(metrics["loss"], want_ce) <= TOL and rel(metrics["z_loss"], want_z) <= TOL
+    # A wrong coefficient would show: the z-loss term's own gradient is far above the tolerance.
+    zero_z = jax.grad(lambda p: mean_objective(p)[1][0])(params)
+    assert max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(rel, zero_z, want))) > 100 * TOL
