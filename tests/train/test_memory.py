@@ -174,3 +174,56 @@ def test_vocab_sized_temporaries_fall_with_fsdp(llama3_8b_steps):
     extra = llama3_8b_steps[V][0].temp_size_in_bytes - llama3_8b_steps[1024][0].temp_size_in_bytes
     bound = 4 * V * D * 4 / fsdp
     assert extra <= bound, f"vocab-sized temporaries {extra / GiB:.3f} GiB per device > {bound / GiB:.3f} GiB"
+
+
+def wide_and_shallow():
+    """A wide, shallow model (D 2048, 1 layer, V 32,000, MLP 1,024: 150M parameters, 1.8 GB of fp32
+    state with Adam) on fsdp = 8, where the state dwarfs the activations of 128 tokens per device."""
+    return load_config("configs/llama3-70b.yaml", [
+        "model.num_layers=1", "model.vocab_size=32000", "model.mlp_dim=1024", "model.d_model=2048",
+        "model.num_heads=16", "model.num_kv_heads=8", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
+        "data.seq_len=128", "data.global_batch_size=8", "train.grad_accum=1", "model.attention=xla"])
+
+
+def state_bytes_per_device(layout) -> float:
+    """Bytes of the train state each device holds (its shards), from the abstract state."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(layout.abstract_state()):
+        total += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    return total
+
+
+def test_initialisation_builds_only_each_devices_shards():
+    """The compiled init writes each device's shards and nothing more: its per-device outputs are the
+    sharded state, and its temporaries (the random bits) stay below that (an unsharded init, then a
+    reshard, would hold the whole 1.8 GB state, 8 x this, on one device)."""
+    cfg = wide_and_shallow()
+    layout = build_layout(cfg, build_mesh(cfg.mesh, jax.devices()))
+    with optimized():
+        mem = jax.jit(layout.init_fn, out_shardings=layout.state_shardings).lower().compile().memory_analysis()
+    state = state_bytes_per_device(layout)
+    assert mem.output_size_in_bytes <= 1.01 * state
+    assert mem.temp_size_in_bytes <= state, f"init temporaries {mem.temp_size_in_bytes / GiB:.3f} GiB"
+
+
+# HEAD SIDE PENDING (as test_vocab_sized_temporaries_fall_with_fsdp): today the head's whole fp32
+# gather, its bf16 copy and the [D, V] fp32 dW accumulator put ~0.6 GiB per device on top.
+@pytest.mark.xfail(strict=True, reason="head side (loss.py) not sharded yet: peak ~3.2x (state + gradients)")
+def test_step_peak_is_a_small_factor_of_state_and_gradients():
+    """Peak per device of the compiled step (arguments + temporaries + outputs - aliased, as
+    `jaxtrain inspect` reports it) <= 2 x ((state + gradients) / devices + activations). With the
+    vocab tensors unsharded it was 4.6x; the donated state must alias its outputs."""
+    cfg = wide_and_shallow()
+    layout = build_layout(cfg, build_mesh(cfg.mesh, jax.devices()))
+    with optimized():
+        mem = layout.lower_train_step().compile().memory_analysis()
+    m = cfg.model
+    state = state_bytes_per_device(layout)
+    grads = state / 3  # fp32 gradients of fp32 parameters, sharded like them (state: params + 2 Adam moments)
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len / 8
+    # Generous: 32 activations of [tokens, D + F] per layer in fp32, plus three loss chunks of logits.
+    activations = 32 * tokens * (m.d_model + m.mlp_dim) * 4 * m.num_layers + 3 * 16 * 2**20
+    assert mem.alias_size_in_bytes >= 0.99 * state, "the donated state does not alias the step's outputs"
+    peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    bound = 2 * (state + grads + activations)
+    assert peak <= bound, f"step peak {peak / GiB:.3f} GiB per device > {bound / GiB:.3f} GiB"
