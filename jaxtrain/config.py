@@ -229,6 +229,22 @@ class FaultConfig:
     # (jaxtrain/fault/step_marks.py). auto: multi-process jobs on GPU/TPU (on the CPU they make the
     # dispatch wait for the step); always: every multi-process job; never: blame by beats and heartbeats.
     step_markers: Literal["auto", "always", "never"] = "auto"
+    # Every N steps each process checks host memory, the run directory's disk and its own step time
+    # against their running median: a `health` event and jaxtrain_health_* metrics (0 = off; docs/monitoring.md).
+    health_every_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveConfig:
+    """Live monitoring (jaxtrain/observe/prometheus.py, docs/monitoring.md)."""
+
+    # Serve Prometheus metrics on http://<host>:<port + local index>/metrics from every process
+    # (0 = off; the cluster presets use 9400). Processes sharing a machine take consecutive ports.
+    prometheus_port: int = 0
+    prometheus_addr: str = "0.0.0.0"  # the address the endpoint binds (127.0.0.1: this machine only)
+    # Also write the metrics atomically to this .prom file for node_exporter's textfile collector
+    # ({process} in the path: the process index; else -p<index> is added for multi-process jobs).
+    prometheus_textfile: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +309,7 @@ class Config:
     fault: FaultConfig = FaultConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     chaos: ChaosConfig = ChaosConfig()
+    observe: ObserveConfig = ObserveConfig()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -577,6 +594,8 @@ def validate(cfg: Config) -> None:
         ("fault.checkpoint_timeout_s", cfg.fault.checkpoint_timeout_s, cfg.fault.checkpoint_timeout_s > 0,
          "must be positive"),
         ("fault.straggler_every", cfg.fault.straggler_every, cfg.fault.straggler_every >= 0, "must be >= 0 (0 = off)"),
+        ("fault.health_every_steps", cfg.fault.health_every_steps, cfg.fault.health_every_steps >= 0,
+         "must be >= 0 (0 = off)"),
         ("fault.straggler_factor", cfg.fault.straggler_factor, cfg.fault.straggler_factor > 1, "must be > 1"),
         ("fault.preflight_factor", cfg.fault.preflight_factor, 0 < cfg.fault.preflight_factor < 1,
          "must be within (0, 1)"),
@@ -584,6 +603,13 @@ def validate(cfg: Config) -> None:
     for key, value, ok, rule in checks:
         if not ok:
             raise ConfigError(f"config key '{key}' {rule}, got {value}")
+    o = cfg.observe
+    if not 0 <= o.prometheus_port <= 65535:
+        raise ConfigError(f"config key 'observe.prometheus_port' must be a TCP port within [0, 65535] (0 = off), "
+                          f"got {o.prometheus_port}")
+    if o.prometheus_textfile is not None and not o.prometheus_textfile.endswith(".prom"):
+        raise ConfigError(f"config key 'observe.prometheus_textfile' must end in .prom (node_exporter's textfile "
+                          f"collector reads only those), got '{o.prometheus_textfile}'")
     for key in ("nan_at_steps", "spike_at_steps"):
         steps = getattr(cfg.chaos, key)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):

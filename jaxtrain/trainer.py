@@ -48,6 +48,8 @@ from jaxtrain.fault.watchdog import Watchdog
 from jaxtrain.model.attention import resolve_attention
 from jaxtrain.model.llama import Transformer
 from jaxtrain.observe.profiling import StepProfiler
+from jaxtrain.observe.health import Health
+from jaxtrain.observe.prometheus import Exporter, local_index
 from jaxtrain.observe.runlog import RunLog
 from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
 from jaxtrain.parallel import pipeline
@@ -140,6 +142,7 @@ class Trainer:
                            slot=env.launcher_slot())
         self._queued_events: list[tuple[str, int, dict]] = []  # events raised before the log exists
         self.log: RunLog | None = None
+        self.exporter: Exporter | None = None  # observe.prometheus_*: built once the sources exist
 
         # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
         self.data = build_train_data(cfg, self.process_index, self.process_count)
@@ -185,6 +188,16 @@ class Trainer:
                                      enabled=self.process_index == 0 and write_files)
         self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
                                      self._event)
+        self.health = Health(cfg.fault.health_every_steps, self._event,
+                             disk_path=None if is_remote(self.output_dir) else str(self.output_dir))
+        o = cfg.observe  # live metrics for Prometheus (observe/prometheus.py): host-side values only
+        self.exporter = Exporter(port=o.prometheus_port, addr=o.prometheus_addr, textfile=o.prometheus_textfile,
+                                 run=cfg.run.name, process_index=self.process_index, process_count=self.process_count,
+                                 host=self.hosts[self.process_index], local=local_index(self.hosts, self.process_index),
+                                 attempt=env.restart_attempt(), watchdog=self.watchdog, checkpointer=self.checkpointer,
+                                 rollbacks=self.rollbacks, stragglers=self.stragglers, devices=self.mesh.local_devices,
+                                 checkpoint_every=(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes),
+                                 health=self.health).start()
         self._waiting_s = 0.0  # this iteration's time waiting on the device or on peers (straggler accounting)
         self._data_wait_since_log = 0.0  # data wait summed over the steps since the last metrics record
         self._fit_start = self._host_step
@@ -238,6 +251,8 @@ class Trainer:
         return self.layout.optimizer
 
     def _event(self, kind: str, step: int, **details: Any) -> None:
+        if self.exporter is not None:
+            self.exporter.on_event(kind, step, details)
         if self.log is None:
             self._queued_events.append((kind, step, details))
         else:
@@ -331,9 +346,12 @@ class Trainer:
         if pending is None:
             return None
         request = self.guard.observe(pending.step, self._values(pending), batch=pending.batch)
+        self.exporter.on_step(pending.step, self._values(pending))
         step, train = pending.step, self.cfg.train
         if force_log or step % train.log_every == 0 or step == train.steps or pending.evaluation is not None:
-            self.log.metrics(self._record(pending))
+            record = self._record(pending)
+            self.log.metrics(record)
+            self.exporter.on_record(record)
         return request
 
     def step(self) -> dict:
@@ -437,6 +455,8 @@ class Trainer:
         # The first step after a (re)start waits for the slowest process to arrive: not a measure of anyone.
         if step > self._fit_start + 1:
             self.stragglers.after_step(step, wall - self._waiting_s, self._pending.data_wait_s, wall)
+        self.exporter.on_iteration(wall, self._pending.data_wait_s)
+        self.health.after_step(step, wall - self._waiting_s)
         return "preempted" if decision.stop else None
 
     def _stop_before_first_step(self) -> bool:
@@ -556,6 +576,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        if self.exporter is not None:
+            self.exporter.close()
         if hasattr(self.data, "close"):
             self.data.close()
         if self.log is not None:
@@ -589,6 +611,8 @@ class Trainer:
                 print(f"jaxtrain: cleanup after the error failed too: {type(e).__name__}: {e}", file=sys.stderr,
                       flush=True)
 
+        if self.exporter is not None:
+            self.exporter.close()
         if not multi:
             release()
         else:

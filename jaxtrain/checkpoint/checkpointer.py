@@ -237,6 +237,8 @@ class Checkpointer:
         self._inflight: Optional[int] = None
         self._damaged_reported: set[int] = set()
         self._last_save_time = time.monotonic()
+        # (step, wall time, blocking s, write s) of this process's last committed save (live metrics read it)
+        self.last_commit: tuple[int, float, float, float] | None = None
         # Retention: decided by process 0 alone (in the commit thread, after the marker), carried
         # out by the deletion queue. `_pin_before` is set by the rollback guard (pin_before).
         self._deleter = _Deleter(lambda step, e: self._emit("checkpoint_delete_failed", step,
@@ -564,6 +566,7 @@ class Checkpointer:
                 deleted = self._retention(step)
                 self._emit("checkpoint_saved", step, blocked_s=round(blocked_s, 4),
                            commit_s=round(time.monotonic() - t0, 4), bytes=meta["bytes"], deleted=deleted)
+            self.last_commit = (int(step), time.time(), blocked_s, time.monotonic() - t0)
         except BaseException as e:  # raised to the caller by the next save()/wait()
             self._error = e
             self._emit("checkpoint_failed", step, error=f"{type(e).__name__}: {e}")

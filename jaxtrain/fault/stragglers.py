@@ -50,6 +50,7 @@ class Stragglers:
         self._wait: list[float] = []
         self._wall: list[float] = []
         self._gather = LateAllGather(mesh) if self.enabled else None
+        self.last_table: np.ndarray | None = None  # the last window's table, every process (live metrics read it)
 
     def after_step(self, step: int, busy_s: float, data_wait_s: float, wall_s: float) -> None:
         """This process's busy, data-wait and wall seconds of the step just taken."""
@@ -60,6 +61,7 @@ class Stragglers:
         self._wall.append(wall_s)
         table = self._gather.result(step)
         if table is not None:
+            self.last_table = table
             self._judge(step - 1, table)
         if step % self.every == 0:
             self._gather.start(step, np.array([np.mean(self._busy), np.mean(self._wait), len(self._busy),
