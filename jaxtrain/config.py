@@ -167,6 +167,8 @@ class PrecisionConfig:
     """Compute precision and fp16's dynamic loss scaling (jaxtrain/train/precision.py)."""
 
     policy: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute dtype; parameters and optimizer state stay fp32
+    # fp16: the loss scale multiplies the *mean* loss (over the global batch's counted tokens), so
+    # these values mean the same at any batch size, sequence length or grad_accum.
     loss_scale_init: float = 32768.0  # fp16: the first loss scale (2**15)
     growth_interval: int = 2000  # fp16: clean steps in a row before the scale grows
     growth_factor: float = 2.0  # fp16: scale *= this after growth_interval clean steps
