@@ -183,7 +183,8 @@ def _is_s3(directory: epath.Path | str) -> bool:
 
 def _pytree_handler(directory: epath.Path | str) -> ocp.PyTreeCheckpointHandler:
     """Orbax's PyTree handler for checkpoints in `directory`: local disks and gs:// use Orbax's own
-    array handler (OCDBT); s3:// uses ours (Orbax 0.12 has no S3 route; see s3_arrays.py)."""
+    array handler (OCDBT); s3:// uses ours, the same OCDBT format over tensorstore's s3 driver
+    (Orbax 0.12 has no S3 route; see s3_arrays.py)."""
     if _is_s3(directory):
         from jaxtrain.checkpoint.s3_arrays import s3_pytree_handler
         return s3_pytree_handler()

@@ -183,9 +183,27 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
             deadline = time.monotonic() + 60
             while not os.path.exists(done) and time.monotonic() < deadline:
                 time.sleep(0.1)
+    elif mode == "s3_spread":  # tests/checkpoint/test_s3_ocdbt.py: OCDBT on s3://, replicated writes shared
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from jaxtrain.checkpoint import s3_arrays
+        s3_arrays._MIN_SLICE_BYTES = 256  # the replicated (64, 8) float32 array: 8 slices of 8 rows
+        mesh = mesh_of(1, 8, 1)
+        state = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, P() if k == "replicated" else P("fsdp")),
+                                                 lambda i, v=v: v[i]) for k, v in spread_state().items()}
+        with Checkpointer(dirs[0], cfg()) as ck:
+            ck.save(3, state, {})
+        print("SAVED OK", flush=True)
     jax.distributed.shutdown()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (seconds of thread joins); everything is written
+
+
+def spread_state() -> dict:
+    """60 leaves of 8 rows (one per device under fsdp=8) and a (64, 8) array to replicate."""
+    state = {f"w{i:02d}": np.arange(32, dtype=np.float32).reshape(8, 4) + i for i in range(60)}
+    state["replicated"] = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    return state
 
 
 def _shard_indices(mesh, shape: tuple) -> dict:
