@@ -25,7 +25,7 @@ credentials are checked when the Checkpointer is made, see `jaxtrain.checkpoint.
 
     <step>/                      one folder per checkpoint, named by the step (Orbax's own naming)
       state/                     the array pytree: OCDBT/zarr, one ocdbt.process_<i>/ per writer
-                                 (s3://: one zarr array per leaf, <name>/.zarray + chunk objects)
+                                 (s3:// too; older s3:// ones: a zarr array per leaf, <name>/)
       extra/metadata             the JSON extras (data iterator, resolved config, ...)
       _CHECKPOINT_METADATA, commit_success.txt    Orbax's own bookkeeping
       commit.json                OUR commit marker: written last, by process 0 only
