@@ -19,9 +19,21 @@ os.environ["TRITON_INTERPRET"] = "1"
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
 # Most XLA optimizations only cost compile time on these tiny test models (as in flax's lm1b
 # test); numerics are compared between runs that all use the same flag.
 jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(scope="module")
+def child_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a job a test starts (`jaxtrain launch`, several processes): the CPU, this
+    checkout importable, no 8-device flag (the launcher sets devices per process), no restart
+    attempt inherited, and `CACHE`, a compilation-cache folder shared by the test module's jobs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
+    env["CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
+    return env

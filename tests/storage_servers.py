@@ -147,3 +147,11 @@ def storage_servers(log_dir: str | Path, buckets: list[str]) -> Iterator[dict]:
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def objects(url: str) -> list[str]:
+    """Every object below `url`, fresh from the server (fsspec caches listings)."""
+    from jaxtrain.checkpoint import storage
+    fs = storage.filesystem(url)
+    fs.invalidate_cache()
+    return sorted(fs.find(url))

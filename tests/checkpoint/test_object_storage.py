@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from storage_servers import SECRETS, storage_servers  # noqa: E402
+from storage_servers import SECRETS, objects, storage_servers  # noqa: E402
 from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
 from trees import assert_trees_equal  # noqa: E402
 
@@ -60,13 +60,6 @@ def servers(tmp_path_factory):
     (set in this process too, for the in-process tests; subprocesses inherit it)."""
     with storage_servers(tmp_path_factory.mktemp("servers"), [BUCKET]) as env:
         yield env
-
-
-def objects(url: str) -> list[str]:
-    """Every object below `url`, fresh from the server (fsspec caches listings)."""
-    fs = storage.filesystem(url)
-    fs.invalidate_cache()
-    return sorted(fs.find(url))
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -21,7 +21,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from storage_servers import storage_servers  # noqa: E402
+from storage_servers import objects, storage_servers  # noqa: E402
 from test_checkpoint import abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
 
 from jaxtrain.checkpoint import Checkpointer  # noqa: E402
@@ -35,13 +35,6 @@ BUCKET = "jaxtrain-ocdbt"
 def servers(tmp_path_factory):
     with storage_servers(tmp_path_factory.mktemp("servers"), [BUCKET]) as env:
         yield env
-
-
-def objects(url: str) -> list[str]:
-    """Every object below `url`, fresh from the server (fsspec caches listings)."""
-    fs = storage.filesystem(url)
-    fs.invalidate_cache()
-    return sorted(fs.find(url))
 
 
 def ocdbt_keys(url: str) -> list[str]:

@@ -87,14 +87,6 @@ def test_stacks_are_dumped_for_every_thread(tmp_path):
 # ----------------------------------------------------------------------------- two processes
 
 
-@pytest.fixture(scope="module")
-def child_env(tmp_path_factory) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
-    env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
-    env["CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
-    return env
-
-
 def launch(env: dict, out: Path, *overrides: str, restarts: int = 0, timeout: int = 300,
            processes: int = 2, isolate_after: int = 0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", str(processes),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_fault import child_env, launch, read_jsonl  # noqa: F401 (child_env: a fixture)
+from test_fault import launch, read_jsonl
 
 from jaxtrain.fault.stragglers import slow_processes
 

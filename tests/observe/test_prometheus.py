@@ -5,7 +5,6 @@ and a real Prometheus server whose shipped alert rules fire on drills."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -263,14 +262,6 @@ def test_the_endpoint_adds_no_transfer_and_no_recompile_while_scraped(tmp_path):
 
 
 # ----------------------------------------------------------------------------- two processes
-
-
-@pytest.fixture(scope="module")
-def child_env(tmp_path_factory) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
-    env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
-    env["CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
-    return env
 
 
 def launch(env: dict, out: Path, *overrides: str, restarts: int = 0) -> subprocess.Popen:
