@@ -23,15 +23,17 @@ So the three head matmuls of the plain loss remain, and nothing [B, L, V]-sized 
 the gradient is computed while the chunk's logits are in cache. Undifferentiated calls (evaluation)
 run only matmul 1 per chunk (`jax.custom_vjp` calls the primal function then).
 
-Sharding: the chunks cut the length axis, so batch sharding (data/fsdp) is untouched. The head is
-gathered over fsdp once, before the loop (as FSDP gathers every weight), in the compute dtype.
-dW is accumulated in fp32 sharded like the head parameter: each chunk's partial dW is summed over
-the batch shards that share the head's fsdp shards (a reduce-scatter per chunk) into a
-[D/fsdp, V/tensor] accumulator per device, one per remaining (data) shard, reduced once after the
-loop. So the vocab-sized fp32 state of the loop shrinks with fsdp; the price is one
-reduce-scatter of a [D, V/tensor] fp32 partial per chunk (few chunks on accelerators: 1 GiB of
-logits each). Without fsdp this is the earlier layout: a partial sum per batch shard, one
-reduction after the loop.
+Sharding: the chunks cut the length axis. With fsdp (the `embed` axes the innermost batch axes,
+as in the default rules) the loop is vocab-parallel over fsdp x tensor (`_layout`): the head is
+never gathered; its shard is cast to the compute dtype and resharded once, by an all-to-all, to
+[D, V / (tensor x fsdp)]; each chunk's hidden states are all-gathered over fsdp (activation-sized,
+compute dtype), so every device computes its fsdp group's logits for its own vocabulary slice; dx
+partials are summed back over the slices (per token), and dW = x^T dlogits is born sharded, fp32
+[D, V / (tensor x fsdp)] per device, one per remaining (data) shard, reduced once after the loop
+and moved into the parameter's [D/fsdp, V/tensor] layout by one all-to-all. So nothing
+vocab-sized on a device grows with fsdp: at Llama-3-8B widths with fsdp 8 the step's vocab-sized
+temporaries fell from 6.35 to 0.95 GiB (docs/memory.md). Without fsdp (or under other rules) the
+head is gathered once, before the loop, and each batch shard keeps its own [D, V/tensor] partial.
 The vocab axis may be sharded (tensor): the softmax reductions over it become all-reduces, and the
 target logit is picked by an iota compare, which partitions without gathering the vocab.
 
@@ -42,7 +44,7 @@ equal the plain loss's to ~1e-6 relative, masked tokens included.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +71,13 @@ def chunk_length(B: int, L: int, V: int, chunk_bytes: int | None = None,
     return max(fitting, default=1)
 
 
-def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool, part: Partitioning,
+def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grads: bool, place_logits,
                 grad_scale=1.0):
-    """Loss sums of one chunk, and (with_grads) grad_scale x d(objective)/d(x chunk) and the chunk's
-    grad_scale x dW per batch shard."""
+    """Loss sums of one chunk, and (with_grads) grad_scale x d(objective)/d(x chunk) and
+    grad_scale x d(objective)/d(logits) in the compute dtype (the caller forms dW from it).
+    `place_logits`: the sharding constraint of the chunk's [G, B/G, C, V] logits."""
     logits = jnp.einsum("gbcd,dv->gbcv", x_GBCD, head_DV, preferred_element_type=jnp.float32)
-    logits = part.constrain(logits, ("batch", None, "length", "vocab"))
+    logits = place_logits(logits)
     peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     exp = jnp.exp(logits - peak)
     total = jnp.sum(exp, axis=-1, keepdims=True)
@@ -94,8 +97,7 @@ def _chunk_sums(x_GBCD, head_DV, targets_GBC, mask_GBC, z_loss: float, with_grad
     dlogits = exp * weight - jnp.where(is_target, scaled_mask[..., None], 0.0)
     dlogits = dlogits.astype(x_GBCD.dtype)  # the backward matmuls run in the compute dtype
     dx = jnp.einsum("gbcv,dv->gbcd", dlogits, head_DV, preferred_element_type=jnp.float32)
-    dW = jnp.einsum("gbcd,gbcv->gdv", x_GBCD, dlogits, preferred_element_type=jnp.float32)
-    return ce, z, dx, dW
+    return ce, z, dx, dlogits
 
 
 def _split(a, G: int, C: int):
@@ -111,33 +113,56 @@ def _unsplit(a):
     return jnp.moveaxis(a, 0, 2).reshape(G * b, n * C, *a.shape[4:])
 
 
-def _dW_layout(part: Partitioning, G: int) -> tuple[int, Any]:
-    """How the chunk loop accumulates dW: (R, sharding of the [R, D, V] fp32 accumulator).
+class _Layout(NamedTuple):
+    """How the chunk loop places its values (see `_layout`)."""
+    R: int  # dW partial sums kept apart (reduced once after the loop): one per `rest` batch shard
+    head: Any  # the head inside the loop, [D, V]
+    tokens: Any  # a chunk's [G, B/G, C, ...] inputs inside the loop
+    logits: Any  # a chunk's [G, B/G, C, V] logits
+    dW: Any  # the [R, D, V] fp32 accumulator
+
+
+def _axes(part: Partitioning, name: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that the rules map the logical axis `name` to."""
+    entry = part.spec((name,))[0]
+    entries = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    return tuple(a for a in entries if part.mesh.shape[a] > 1)
+
+
+def _layout(part: Partitioning, G: int, B: int, D: int, V: int) -> _Layout | None:
+    """The vocab-parallel layout of the loop, or None where it does not apply.
 
     The head parameter is [D, V] with D over the `embed` axes (fsdp) and V over `vocab` (tensor).
-    Each batch shard's partial dW is summed over the batch shards that share the `embed` axes once
-    per chunk (a reduce-scatter), so the accumulator is held sharded like the parameter, one per
-    remaining batch shard (R of them, e.g. over data): [D/fsdp, V/tensor] fp32 per device instead
-    of [D, V/tensor]. That needs the embed axes to be the innermost batch axes (the default rules);
-    otherwise (or without a mesh) R = G and each device keeps its own [D, V/tensor] partial sum.
+    Gathering it over fsdp (as FSDP gathers every weight) would put a whole [D, V/tensor] head, and
+    a whole [D, V/tensor] fp32 dW partial per chunk, on every device, whatever the fsdp degree.
+    Instead the head is resharded once (an all-to-all of its shard) to [D, V / (tensor x fsdp)],
+    and each chunk's hidden states are gathered over the embed axes (activation-sized, compute
+    dtype): every device computes the logits of all the tokens of its fsdp group for its own
+    vocabulary slice (Megatron's vocab-parallel cross-entropy, over fsdp too). The softmax
+    reductions over V become all-reduces of [tokens] values, dx is reduce-scattered back to the
+    tokens' shards, and dW = x^T dlogits is born sharded: [D, V / (tensor x fsdp)] fp32 per device.
+    That needs the embed axes to be the innermost batch axes (the default rules), V and the batch
+    to split evenly, and an unsplit length; otherwise the head is gathered (the earlier layout).
     """
     mesh = part.mesh
     if mesh is None or G == 1:
-        return G, None
-
-    def axes(name: str) -> tuple[str, ...]:
-        entry = part.spec((name,))[0]
-        entries = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-        return tuple(a for a in entries if mesh.shape[a] > 1)
-
-    batch, embed, vocab = axes("batch"), axes("embed"), axes("vocab")
-    if not embed or batch[len(batch) - len(embed):] != embed:
-        return G, NamedSharding(mesh, part.spec(("batch", None, "vocab")))
-    ways = 1
-    for a in embed:
-        ways *= mesh.shape[a]
+        return None
+    batch, embed, vocab, length = (_axes(part, n) for n in ("batch", "embed", "vocab", "length"))
+    if not embed or length or batch[len(batch) - len(embed):] != embed or set(embed) & set(vocab):
+        return None
     rest = batch[:len(batch) - len(embed)]
-    return G // ways, NamedSharding(mesh, P(rest or None, embed, vocab or None))
+    R = 1
+    for a in rest:
+        R *= mesh.shape[a]
+    ways = R
+    for a in embed + vocab:
+        ways *= mesh.shape[a]
+    if V % (ways // R) or B % G or G % R:
+        return None
+    vocab_all = vocab + embed
+    sharding = lambda *spec: NamedSharding(mesh, P(*spec))
+    return _Layout(R=R, head=sharding(None, vocab_all), tokens=sharding(rest or None),
+                   logits=sharding(rest or None, None, None, vocab_all), dW=sharding(rest or None, None, vocab_all))
 
 
 def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: int, with_grads: bool,
@@ -148,33 +173,50 @@ def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: i
     constrain = part.constrain
     if B % G:
         G = 1  # a batch that does not split evenly (eval on odd shapes): one partial sum
-    # Gather the head over fsdp once, before the loop, not once per chunk, in the compute dtype
-    # (the cast stays on the shard: the gather moves 16-bit values under bf16/fp16).
-    head = constrain(constrain(head_DV.astype(x_BLD.dtype), ("embed", "vocab")), (None, "vocab"))
+    layout = _layout(part, G, B, D, V)
+    wsc = jax.lax.with_sharding_constraint
+    # The cast stays on the shard: whatever moves of the head moves 16-bit values under bf16/fp16.
+    head = constrain(head_DV.astype(x_BLD.dtype), ("embed", "vocab"))
+    if layout is None:
+        # Gathered over fsdp once, before the loop, not once per chunk.
+        head = constrain(head, (None, "vocab"))
+        place_tokens = lambda a: a
+        place_logits = lambda a: constrain(a, ("batch", None, "length", "vocab"))
+        R = G
+        place_dW = lambda a: a if part.mesh is None else constrain(a, ("batch", None, "vocab"))
+    else:
+        head = wsc(head, layout.head)  # resharded once, before the loop: an all-to-all of the shard
+        place_tokens = lambda a: wsc(a, layout.tokens)
+        place_logits = lambda a: wsc(a, layout.logits)
+        R = layout.R
+        place_dW = lambda a: wsc(a, layout.dW)
+    place_batch = lambda a: a if part.mesh is None else constrain(a, ("batch",))
     xs = (_split(x_BLD, G, chunk), _split(targets_BL, G, chunk), _split(mask_BL.astype(jnp.float32), G, chunk))
+
+    def inputs(c):
+        return tuple(place_tokens(a) for a in c)
 
     if not with_grads:
         def body(carry, c):
-            ce, z = _chunk_sums(*c[:1], head, *c[1:], z_loss, with_grads=False, part=part)
+            x, t, m = inputs(c)
+            ce, z = _chunk_sums(x, head, t, m, z_loss, with_grads=False, place_logits=place_logits)
             return (carry[0] + ce, carry[1] + z), None
         (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), xs)
         return ce, z
 
-    R, acc_sharding = _dW_layout(part, G)
-
-    def place(dW_RDV):
-        return dW_RDV if acc_sharding is None else jax.lax.with_sharding_constraint(dW_RDV, acc_sharding)
-
     def body(carry, c):
         ce_acc, z_acc, dW_acc = carry
-        ce, z, dx, dW_GDV = _chunk_sums(c[0], head, c[1], c[2], z_loss, with_grads=True, part=part,
-                                        grad_scale=grad_scale)
-        # Sum the batch shards that share the head's embed shards (reduce-scatter into the
-        # parameter's layout); the other shards keep their own partial sums, reduced after the loop.
-        dW_RDV = jnp.sum(dW_GDV.reshape(R, G // R, D, V), axis=1)
-        return (ce_acc + ce, z_acc + z, place(dW_acc + place(dW_RDV))), dx
+        x, t, m = inputs(c)
+        ce, z, dx, dlogits = _chunk_sums(x, head, t, m, z_loss, with_grads=True, place_logits=place_logits,
+                                         grad_scale=grad_scale)
+        # dW summed over the batch shards of each of the R groups that share the head's shards; the
+        # R partial sums are reduced once, after the loop.
+        split = lambda a: a.reshape(R, G // R, *a.shape[1:])
+        dW_RDV = jnp.einsum("rkbcd,rkbcv->rdv", split(x), split(dlogits), preferred_element_type=jnp.float32)
+        # dx leaves the loop on its own tokens' shards (a reduce-scatter over the vocab slices).
+        return (ce_acc + ce, z_acc + z, place_dW(dW_acc + place_dW(dW_RDV))), place_batch(dx)
 
-    dW0 = place(jnp.zeros((R, D, V), jnp.float32))
+    dW0 = place_dW(jnp.zeros((R, D, V), jnp.float32))
     (ce, z, dW_RDV), dx = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), dW0), xs)
     dx_BLD = constrain(_unsplit(dx), ("batch", "length", "act_embed"))
     dW_DV = constrain(jnp.sum(dW_RDV, axis=0), ("embed", "vocab"))  # the one reduction over the remaining shards

@@ -1,11 +1,17 @@
 """The optimizer and its learning-rate schedule: global-norm clipping then AdamW, linear warmup
-then cosine decay, and the rate an update actually used (`applied_learning_rate`)."""
+then cosine decay, and the rate an update actually used (`applied_learning_rate`).
+
+The optimizer's `update` takes a `skip` keyword (the train step's guard): a skipped step returns
+the old state, bitwise, and updates that the step discards. The state's tree is optax's adamw's.
+"""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import Config
@@ -29,9 +35,66 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
             lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
 
     parts = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    # optax.adamw's own chain (so its state tree, and checkpoints, stay the same), with the Adam
+    # moments and the schedule's count kept on a skipped step.
+    parts.append(optax.chain(
+        guarded_adam(o.b1, o.b2, o.eps),
+        optax.add_decayed_weights(o.weight_decay, decay_mask),
+        kept_on_skip(optax.scale_by_learning_rate(learning_rate_schedule(cfg)))))
+    return _guarded(optax.chain(*parts))
+
+
+# The update functions of optimizers whose `update(..., skip=True)` keeps their state (make_optimizer's).
+_KEEPS_STATE_ON_SKIP: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _guarded(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    _KEEPS_STATE_ON_SKIP.add(tx.update)
+    return tx
+
+
+def keeps_state_on_skip(tx: optax.GradientTransformation) -> bool:
+    """True for optimizers (`make_optimizer`'s) whose `update(..., skip=True)` returns the old state
+    bitwise; any other optimizer ignores `skip`, and the step must select its state itself."""
+    return tx.update in _KEEPS_STATE_ON_SKIP
+
+
+def _keep(skip: jax.Array | bool, new: Any, old: Any) -> Any:
+    """`old` where `skip`, else `new`, leaf by leaf (bitwise: a selection, not arithmetic)."""
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(skip, o, n), new, old)
+
+
+def kept_on_skip(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`tx` whose state stays as it was when `update(..., skip=True)` (for small states: counts)."""
+    def update(updates, state, params=None, *, skip: jax.Array | bool = False, **extra):
+        updates, new_state = tx.update(updates, state, params)
+        return updates, _keep(skip, new_state, state)
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def guarded_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformationExtraArgs:
+    """optax.scale_by_adam (same state, same arithmetic) whose moments stay as they were on
+    `update(..., skip=True)`.
+
+    The moments are selected first and the updates computed from the *selected* moments (equal to
+    the new ones unless skipped; the step discards a skipped step's updates). Selecting afterwards,
+    `where(skip, old, new)` over optax's state, leaves two readers of each old moment (the new
+    moment, written in place into the donated buffer, and the update): XLA then copies every large
+    moment first (docs/memory.md). Here each moment is read once, by its own fused select.
+    """
+    inner = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def update(updates, state, params=None, *, skip: jax.Array | bool = False, **extra):
+        _, new = inner.update(updates, state, params)  # only its state is used
+        kept = optax.ScaleByAdamState(count=_keep(skip, new.count, state.count), mu=_keep(skip, new.mu, state.mu),
+                                      nu=_keep(skip, new.nu, state.nu))
+        # optax.scale_by_adam's update, from the kept moments and count.
+        mu_hat = optax.tree.bias_correction(kept.mu, b1, kept.count)
+        nu_hat = optax.tree.bias_correction(kept.nu, b2, kept.count)
+        out = jax.tree_util.tree_map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu_hat, nu_hat)
+        return out, kept
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 def applied_learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:

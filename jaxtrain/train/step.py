@@ -27,8 +27,8 @@ from jaxtrain.config import Config
 from jaxtrain.model.loss import fused_loss
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.sharding import Partitioning, Rules
-from jaxtrain.train.optim import applied_learning_rate, learning_rate_schedule
-from jaxtrain.train.precision import update_loss_scale
+from jaxtrain.train.optim import applied_learning_rate, keeps_state_on_skip, learning_rate_schedule
+from jaxtrain.train.precision import update_loss_scale, uses_loss_scaling
 from jaxtrain.train.stability import spike_check, update_statistics
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -121,6 +121,7 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     schedule = learning_rate_schedule(cfg)
     z_loss, guard = cfg.stability.z_loss, cfg.stability.guard
     part = partitioning(cfg, mesh, rules)
+    scaling = uses_loss_scaling(cfg)
     # A pipeline schedule may fold the accumulation microbatches into one pass (pipeline.fold_grad_accum).
     accum = pipeline.accumulation_steps(cfg.train.grad_accum, part.schedule)
 
@@ -136,7 +137,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         params = state["params"]
         batch = dict(batch)
         inject = batch.pop("chaos", jnp.float32(1.0))  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
-        scale = state["loss_scale"]["scale"]
+        # Without fp16 the scale is 1 (precision.init_loss_scale): a constant here, so that no
+        # `g / 1` pass copies each (vocab-sized) gradient into a second buffer.
+        scale = state["loss_scale"]["scale"] if scaling else jnp.float32(1.0)
         # The loss scale multiplies the *mean* loss: the count of counted tokens of the whole global
         # batch (all microbatches) is known before the backward pass, so the scale's meaning (and
         # the fp16 overflow threshold of a given scale) does not depend on tokens per step.
@@ -153,7 +156,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
             zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
             (ce, z, tokens, grads), _ = jax.lax.scan(
                 micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum, part))
-        grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
+        if scaling:
+            grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
         loss = ce * inject / denom  # what a drill injected shows in the loss too
         # Finite from every element, not from the norm: a sum of squares in fp32 overflows for
         # finite gradients (one element above ~1.8e19), which would skip a good step.
@@ -167,20 +171,26 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         if not guard:  # stability.guard=false: only to measure what the guard costs (bench/)
             spike_flag, skip = jnp.bool_(False), jnp.bool_(False)
 
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
         # A skipped step keeps the old parameters and optimizer state by selection: multiplying the
-        # update by zero would not do (0 x NaN is NaN).
+        # update by zero would not do (0 x NaN is NaN). make_optimizer's optimizer keeps its own
+        # state (`optim.guarded_adam`): selecting over its output state here made XLA copy every
+        # large Adam moment first (docs/memory.md). The parameters are selected here.
         keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(skip, o, n), new, old)
+        if keeps_state_on_skip(optimizer):
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params, skip=skip)
+        else:
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+            opt_state = keep(opt_state, state["opt_state"]) if guard else opt_state
+        new_params = optax.apply_updates(params, updates)
         new_state = {"step": state["step"] + 1, "params": keep(new_params, params) if guard else new_params,
-                     "opt_state": keep(opt_state, state["opt_state"]) if guard else opt_state,
+                     "opt_state": opt_state,
                      "rng": advance_rng(state["rng"], state["step"]),
                      "loss_scale": update_loss_scale(cfg, state["loss_scale"], finite),
                      "stability": update_statistics(cfg, stats, loss, grad_norm, ~skip) if guard else stats}
         # The rate this update used (the optimizer's count, which skipped steps do not advance).
         learning_rate = applied_learning_rate(schedule, state["opt_state"])
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
-                   "loss_scale": scale, "next_loss_scale": new_state["loss_scale"]["scale"],
+                   "loss_scale": state["loss_scale"]["scale"], "next_loss_scale": new_state["loss_scale"]["scale"],
                    "skipped": skip, "nonfinite": ~finite, "spike": spike_flag, "loss_z": spike["loss_z"],
                    "grad_norm_z": spike["grad_norm_z"], "z_loss": z / denom,
                    "skipped_steps": new_state["stability"]["skipped_steps"]}

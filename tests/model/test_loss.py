@@ -162,25 +162,33 @@ def test_sharded_fused_loss_equals_plain_loss():
     for name, g, w in zip(("objective", "ce", "z", "dx", "dhead"), got, want):
         assert rel(g, w) <= TOL, (name, rel(g, w))
     # The compiled fp16 gradient (fp16: the CPU backend upcasts bf16 collectives to fp32, not fp16
-    # ones): the head is gathered over fsdp in fp16 (f16[16,32] per device: D=16 whole, V=64 over
-    # tensor=2), and dW is accumulated in fp32 sharded like the head parameter: the chunk loop carries
-    # one f32[8,32] per device (D over fsdp=2), never a whole-D f32[16,32] partial sum. Each chunk's
-    # partial is reduced over fsdp inside the loop; what remains (over data) once, after it.
+    # ones). The head is never gathered: it is resharded once, in fp16, by an all-to-all to
+    # [D, V / (tensor x fsdp)] = f16[16,16] per device, and the only all-gathers are each chunk's
+    # hidden states over fsdp (f16[.., 2, 2, 4, 16]: the fsdp group's 2 x 2 rows of 4 positions, D=16).
+    # dW is born sharded: the chunk loop carries one f32[1,16,16] per device (D=16, V=64 over
+    # 4), never a whole-D f32[16,32] partial sum (what gathering the head gives), and no
+    # dW-sized value is reduced inside the loop: the data shards' partials once, after it, then
+    # one all-to-all into the parameter's [D/fsdp, V/tensor] = [8,32] layout.
     x_fp16 = x.astype(jnp.float16)
     hlo = jax.jit(jax.grad(lambda x, h: sharded(x, h, targets, mask, 0.1)[0], argnums=(0, 1))).lower(x_fp16, head).compile().as_text()
-    gathers = [m.group(1) for m in re.finditer(r"= (.*?) all-gather(?:-start)?\(", hlo)]
-    assert gathers and all(g.startswith("f16[16,32]") for g in gathers), gathers
-    carries = [line.split(" while(")[0] for line in hlo.splitlines() if " while(" in line]
-    assert carries and all("f32[1,8,32]" in line for line in carries), carries
-    # (An f32[16,32] without the leading shard dimension is the gathered head, upcast for the CPU's dots.)
-    assert not any("f32[1,16,32]" in line for line in carries), carries
-    where, computation = [], None
+    collectives, computation = [], None
     for line in hlo.splitlines():
         if line.endswith("{") and " = " not in line:
             computation = line.split()[0] if not line.startswith("ENTRY") else "ENTRY"
-        elif re.search(r" (all-reduce|reduce-scatter)(-start)?\(", line) and "f32[8,32]" in line.split("(")[0]:
-            where.append(computation)
-    assert where == ["ENTRY"], where
+        m = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(", line)
+        if m:
+            collectives.append((computation, m.group(2), m.group(1)))
+    gathers = [shape for _, op, shape in collectives if op == "all-gather"]
+    assert gathers and all(re.match(r"f16\[(1,)?2,2,4,16\]", g) for g in gathers), gathers
+    assert any(c == "ENTRY" and op == "all-to-all" and shape.startswith("(f16") for c, op, shape in collectives), collectives
+    carries = [line.split(" while(")[0] for line in hlo.splitlines() if " while(" in line]
+    assert carries and all("f32[1,16,16]" in line for line in carries), carries
+    assert not any("16,32]" in line or "f32[1,8,32]" in line for line in carries), carries
+    # Inside the loop only per-token values move: [2, 2, 4] softmax statistics and the [2, 2, 4, 16]
+    # dx partials (summed over the vocab slices).
+    in_loop = [(op, shape) for c, op, shape in collectives if c != "ENTRY"]
+    assert in_loop and all(re.match(r"f(16|32)\[(1,)?2,2,4(,16)?\]", shape) for _, shape in in_loop), in_loop
+    assert [op for c, op, _ in collectives if c == "ENTRY"] == ["all-to-all", "all-reduce", "all-to-all"], collectives
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float16, 2e-3), (jnp.bfloat16, 1e-2)])
