@@ -37,3 +37,15 @@ def child_env(tmp_path_factory) -> dict[str, str]:
     env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
     env["CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
     return env
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests that start
+    several processes, or a SLURM job, run one at a time on one worker: they already use every
+    core, and their deadlines (hang timeouts, straggler factors) assume they are not sharing the
+    machine with another such job. The in-process tests, mostly single-threaded compiles, share
+    the other worker."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") or item.get_closest_marker("slow") or \
+                item.path.name == "test_slurm.py":
+            item.add_marker(pytest.mark.xdist_group("processes"))
