@@ -68,6 +68,15 @@ class Stragglers:
                                                np.mean(self._wall)]))
             self._busy, self._wait, self._wall = [], [], []
 
+    def ratio(self, process: int) -> Optional[float]:
+        """`process`'s busy time over the median of the others' in the last compared window (None
+        before the first comparison). Read by the live metrics, from another thread."""
+        table = self.last_table
+        if table is None or len(table) < 2:
+            return None
+        reference = float(busy_references(table[:, 0])[process])
+        return float(table[process, 0]) / reference if reference > 0 else None
+
     def _judge(self, step: int, table: np.ndarray) -> None:
         for process, reference in slow_processes(table[:, 0], table[:, 3], self.factor):
             b, w, n, _ = table[process]
@@ -78,27 +87,28 @@ class Stragglers:
                        reports=self.reports[process])
 
 
-def slow_processes(busy: np.ndarray, wall: np.ndarray, factor: float) -> list[tuple[int, float]]:
-    """The stragglers of one window: (process, reference busy seconds) for each process busier than
-    `factor` x the median of the *other* processes, and by at least MIN_COST of a step.
+def busy_references(busy: np.ndarray) -> np.ndarray:
+    """For each process, the median busy time of the *other* processes (NaN with one process).
 
     The reference leaves the candidate out: with the candidate in, two processes' median is their
     mean, which no process can exceed twice over (so factor 2 could never name anyone), and with
     three or four processes one slow value drags the median towards itself.
     """
     busy = np.asarray(busy, np.float64)
+    if busy.size < 2:
+        return np.full(busy.shape, np.nan)
+    return np.array([np.median(np.delete(busy, p)) for p in range(busy.size)])
+
+
+def slow_processes(busy: np.ndarray, wall: np.ndarray, factor: float) -> list[tuple[int, float]]:
+    """The stragglers of one window: (process, reference busy seconds) for each process busier than
+    `factor` x the median of the other processes (`busy_references`), and by at least MIN_COST of a
+    step. Slower by the factor, and by enough to matter: a few milliseconds of extra logging on
+    process 0 are not what makes a job wait (and a reference near 0 makes any ratio huge)."""
+    busy = np.asarray(busy, np.float64)
     step = float(np.median(wall))
-    named = []
-    for process, b in enumerate(busy):
-        others = np.delete(busy, process)
-        if others.size == 0:
-            continue
-        reference = float(np.median(others))
-        # Slower by the factor, and by enough to matter: a few milliseconds of extra logging on
-        # process 0 are not what makes a job wait (and a reference near 0 makes any ratio huge).
-        if b > factor * reference and b - reference > MIN_COST * step:
-            named.append((process, reference))
-    return named
+    return [(p, float(r)) for p, (b, r) in enumerate(zip(busy, busy_references(busy)))
+            if not np.isnan(r) and b > factor * r and b - r > MIN_COST * step]
 
 
 def job_hosts(process_index: int, process_count: int, timeout_s: float = 120.0, *, kv: Any = None,

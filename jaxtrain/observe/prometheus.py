@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Histogram, start_http_server, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -185,12 +184,8 @@ class Exporter:
 
     def straggler_ratio(self) -> float | None:
         """This process's mean busy time over the median of the others' in the last compared window."""
-        table = getattr(self.stragglers, "last_table", None)
-        if table is None or len(table) < 2:
-            return None
-        others = np.delete(np.asarray(table[:, 0], np.float64), self.process_index)
-        reference = float(np.median(others))
-        return float(table[self.process_index, 0]) / reference if reference > 0 else None
+        ratio = getattr(self.stragglers, "ratio", None)
+        return None if ratio is None else ratio(self.process_index)
 
     def checkpoint_interval_s(self) -> float | None:
         """The expected seconds between periodic checkpoints (None: none are configured, or the step

@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from storage_servers import free_port
 
 from jaxtrain import env as jaxtrain_env
 
@@ -24,12 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/tiny.yaml")
 DEVICES = 2  # per process
 SLOW_S = 0.05  # a bad link's extra time per exchange (an exchange of 1 MiB takes a few ms here)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def preflight_job(hosts: list[str], *overrides: str, timeout: int = 240, devices: int = DEVICES) -> dict:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxtrain.fault.stragglers import Stragglers
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.observe.prometheus import Exporter, local_index, textfile_path
 
@@ -86,7 +87,9 @@ class FakeWatchdog:
 
 
 class FakeStragglers:
+    """The last compared window of a 3-process job; the ratio is the real Stragglers.ratio."""
     last_table = np.array([[0.1, 0.0, 4, 0.3], [0.3, 0.0, 4, 0.3], [0.1, 0.0, 4, 0.3]])
+    ratio = Stragglers.ratio
 
 
 class FakeCheckpointer:
