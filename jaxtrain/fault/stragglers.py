@@ -12,8 +12,12 @@ Every `fault.straggler_every` steps the per-process means over the window are ga
 device all-gather that is read a step later (`hostcomm.LateAllGather`: no per-step
 synchronisation, the host never waits for it), and a process whose busy time exceeds
 `fault.straggler_factor` x the median of the *other* processes (and by at least a tenth of a step:
-milliseconds are noise) is reported in a `straggler` event naming its index and host, with its
-times. Every process computes the same table, so they agree without talking further.
+milliseconds are noise) in PERSIST_WINDOWS windows running is reported in a `straggler` event naming
+its index and host, with its times, and again in every later window it stays slow. One slow window
+is not a straggler: a garbage-collection pause, a log flush or a neighbour's burst on a shared host
+makes one window of a process slow without anything to fix (and the first window after a start
+may hold a single step). Every process computes the same table, so they agree without talking
+further.
 
 What this sees: slow hosts (CPU contention, a slow input pipeline, swapping, a throttled host
 process). A slow accelerator shows as everyone's wait inside the collectives instead: the
@@ -33,6 +37,7 @@ from jaxtrain.config import FaultConfig
 from jaxtrain.fault.hostcomm import LateAllGather
 
 MIN_COST = 0.1  # a straggler costs the job at least this fraction of a step
+PERSIST_WINDOWS = 2  # slow in this many compared windows running before the first report
 
 
 class Stragglers:
@@ -46,6 +51,7 @@ class Stragglers:
         self.event = event
         self.enabled = self.every > 0 and process_count > 1
         self.reports: collections.Counter[int] = collections.Counter()  # process -> straggler reports so far
+        self.slow_windows: collections.Counter[int] = collections.Counter()  # process -> slow windows running
         self._busy: list[float] = []
         self._wait: list[float] = []
         self._wall: list[float] = []
@@ -78,13 +84,18 @@ class Stragglers:
         return float(table[process, 0]) / reference if reference > 0 else None
 
     def _judge(self, step: int, table: np.ndarray) -> None:
-        for process, reference in slow_processes(table[:, 0], table[:, 3], self.factor):
+        slow = dict(slow_processes(table[:, 0], table[:, 3], self.factor))
+        for process in range(len(table)):
+            self.slow_windows[process] = self.slow_windows[process] + 1 if process in slow else 0
+        for process, reference in slow.items():
+            if self.slow_windows[process] < PERSIST_WINDOWS:
+                continue
             b, w, n, _ = table[process]
             self.reports[process] += 1
             self.event("straggler", step, process=process, host=self.hosts[process], busy_s=round(float(b), 4),
                        median_busy_s=round(float(reference), 4), data_wait_s=round(float(w), 4), steps=int(n),
                        factor=round(float(b / reference), 2) if reference > 0 else None,
-                       reports=self.reports[process])
+                       windows=self.slow_windows[process], reports=self.reports[process])
 
 
 def busy_references(busy: np.ndarray) -> np.ndarray:

@@ -211,10 +211,13 @@ def test_preflight_names_a_bad_link_between_two_of_three_processes(tmp_path, chi
     """Only the link 0-2 is slow: the pair is named on every process alike, and no process is (one
     slow pair does not say which end is bad); the run goes on."""
     r = launch(child_env, tmp_path / "run", "train.steps=1", "data.global_batch_size=6", "chaos.slow_link=[0, 2]",
-               "chaos.slow_link_seconds=0.05", processes=3)
+               "chaos.slow_link_seconds=0.05", "fault.preflight_factor=0.3", processes=3)
     assert r.returncode == 0, r.stderr[-3000:]
     report = next(e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["kind"] == "preflight")
-    assert report["slow_pairs"] == [[0, 2]] and report["named"] == [], report
+    # Healthy pairs measure 1.1 to 1.7 GB/s here as the load of a shared 2-core machine goes (CI once
+    # named process 2 at factor 0.7); the slowed pair is over 10x slower, so factor 0.3 separates
+    # them. `named` also holds the matmul verdict, which that load can trip too.
+    assert report["slow_pairs"] == [[0, 2]] and report["named_for_links"] == [], report
     assert set(report["pairs_gbps"]) == {"0-1", "0-2", "1-2"} and len(report["slow_pair_hosts"]) == 1
     assert report["pairs_gbps"]["0-2"] < 0.5 * min(report["pairs_gbps"]["0-1"], report["pairs_gbps"]["1-2"])
 

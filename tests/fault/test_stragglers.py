@@ -72,3 +72,23 @@ def test_saves_and_a_resume_name_nobody(tmp_path, child_env, processes=2):
     assert second.returncode == 0, second.stderr[-3000:]
     assert any(e["kind"] == "resume" for e in read_jsonl(out / "events.jsonl"))
     assert stragglers(out) == []
+
+
+def test_one_slow_window_is_a_blip_two_running_are_a_straggler():
+    """A process is reported once it is slow in PERSIST_WINDOWS windows running, then in every window it
+    stays slow; a fast window in between starts the count again."""
+    import jax
+    from jax.sharding import Mesh
+
+    from jaxtrain.config import FaultConfig
+    from jaxtrain.fault.stragglers import PERSIST_WINDOWS, Stragglers
+
+    assert PERSIST_WINDOWS == 2
+    events = []
+    s = Stragglers(FaultConfig(straggler_every=4), Mesh(np.array(jax.devices()[:1]), ("data",)), 0, 3,
+                   ["a", "b", "c"], lambda kind, step, **kw: events.append((step, kw["process"], kw["windows"])))
+    fast, slow = [0.1, 0.1, 0.1], [0.1, 0.5, 0.1]
+    for step, busy in enumerate([slow, fast, slow, slow, slow, fast, slow], start=1):
+        s._judge(step, np.array([[b, 0.0, 4, 1.0] for b in busy]))
+    assert events == [(4, 1, 2), (5, 1, 3)], events
+    assert s.reports[1] == 2 and s.slow_windows[1] == 1
