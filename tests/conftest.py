@@ -39,6 +39,11 @@ def child_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
+# First: xdist's worker turns the xdist_group marker into the node id's "@group" suffix in its own
+# pytest_collection_modifyitems, registered after this file (so called before it, hooks being
+# last-registered-first). Without tryfirst the marker came too late and both workers ran
+# multi-process tests at once.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests that start
     several processes, or a SLURM job, run one at a time on one worker: they already use every
