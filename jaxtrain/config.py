@@ -234,6 +234,10 @@ class FaultConfig:
     # Every N steps each process checks host memory, the run directory's disk and its own step time
     # against their running median: a `health` event and jaxtrain_health_* metrics (0 = off; docs/monitoring.md).
     health_every_steps: int = 0
+    # The health check's GPU counters from NVML (ECC errors, row remaps, hardware throttling;
+    # observe/nvml.py, needs nvidia-ml-py). auto: when the devices are GPUs; always: whenever NVML
+    # answers (a CPU job on a GPU node); never: off.
+    health_nvml: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from jaxtrain.data import build_train_data
 from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.fault.chaos import Chaos
 from jaxtrain.fault.preemption import HostSync, StopSignals, agree_on_startup_stop
-from jaxtrain.fault.preflight import run_preflight
+from jaxtrain.fault.preflight import local_matmul_check, run_preflight
 from jaxtrain.fault.stragglers import Stragglers, job_hosts
 from jaxtrain.fault.step_marks import StepMarks, wanted as step_marks_wanted, with_step_marks
 from jaxtrain.fault.watchdog import Watchdog
@@ -49,6 +49,7 @@ from jaxtrain.model.attention import resolve_attention
 from jaxtrain.model.llama import Transformer
 from jaxtrain.observe.profiling import StepProfiler
 from jaxtrain.observe.health import Health
+from jaxtrain.observe.nvml import Nvml
 from jaxtrain.observe.prometheus import Exporter, local_index
 from jaxtrain.observe.runlog import RunLog
 from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
@@ -188,8 +189,7 @@ class Trainer:
                                      enabled=self.process_index == 0 and write_files)
         self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
                                      self._event)
-        self.health = Health(cfg.fault.health_every_steps, self._event,
-                             disk_path=None if is_remote(self.output_dir) else str(self.output_dir))
+        self.health = self._make_health(cfg)
         o = cfg.observe  # live metrics for Prometheus (observe/prometheus.py): host-side values only
         self.exporter = Exporter(port=o.prometheus_port, addr=o.prometheus_addr, textfile=o.prometheus_textfile,
                                  run=cfg.run.name, process_index=self.process_index, process_count=self.process_count,
@@ -198,6 +198,9 @@ class Trainer:
                                  rollbacks=self.rollbacks, stragglers=self.stragglers, devices=self.mesh.local_devices,
                                  checkpoint_every=(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes),
                                  health=self.health).start()
+        # The split of the profiled steps, summarized off the loop once the trace is written (only
+        # when someone reads it: the summary costs host time).
+        self.profiler.on_summary = self.exporter.on_profile if self.exporter.enabled else None
         self._waiting_s = 0.0  # this iteration's time waiting on the device or on peers (straggler accounting)
         self._data_wait_since_log = 0.0  # data wait summed over the steps since the last metrics record
         self._fit_start = self._host_step
@@ -479,12 +482,29 @@ class Trainer:
               "exiting 75 before the first step", file=sys.stderr, flush=True)
         return True
 
+    def _make_health(self, cfg: Config) -> Health:
+        """The run-time health check (fault.health_every_steps), with the matmul re-measure of the
+        local devices and, where asked and NVML answers, the GPU counters."""
+        f = cfg.fault
+        if f.health_every_steps <= 0:
+            return Health(0, self._event)
+        gpus, note = None, ""
+        platform = self.mesh.local_devices[0].platform
+        if f.health_nvml == "always" or (f.health_nvml == "auto" and platform == "gpu"):
+            gpus, note = Nvml.open()
+        return Health(f.health_every_steps, self._event,
+                      disk_path=None if is_remote(self.output_dir) else str(self.output_dir),
+                      matmul=local_matmul_check(list(self.mesh.local_devices)), gpus=gpus,
+                      gpu_note=f"GPU counters off: {note}" if note else "")
+
     def _preflight(self) -> bool:
         """The health check of a multi-process job (fault.preflight); False: stop (exit 75)."""
         if not (self.cfg.fault.preflight and self.process_count > 1):
             return True
         with self.watchdog.phase("startup"):
             report = run_preflight(self.cfg, self.mesh, self.hosts, self.log.event)
+        self.exporter.on_preflight(report)  # the report is plain Python: no device on the scrape thread
+        self.health.matmul_preflight = report["matmul_tflops"][self.process_index]
         if report["named"] and self.cfg.fault.preflight_action == "exit":
             self.log.event("preflight_failed", self._host_step, named=report["named"], hosts=report["named_hosts"],
                            exit_code=EXIT_RESTART)
@@ -576,8 +596,10 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        self.profiler.close()  # a trace still running stopped; a summary being computed reaches the exporter
         if self.exporter is not None:
             self.exporter.close()
+        self.health.close()
         if hasattr(self.data, "close"):
             self.data.close()
         if self.log is not None:

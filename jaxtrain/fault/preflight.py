@@ -26,6 +26,7 @@ Runs before training on multi-process jobs (`fault.preflight`), and on its own a
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client, next_call, wait_key
 from jaxtrain.config import Config
@@ -58,11 +59,32 @@ def _best_time(fn: Callable[[], Any], repeats: int, slow_s: float = 0.0, min_tot
 MATMUL_MIN_S = 0.2  # per device: a best of 3 sub-millisecond matmuls was off by 40% on an idle CPU
 
 
-def matmul_tflops(device: jax.Device, n: int, repeats: int, slow_s: float = 0.0) -> float:
+_square = jax.jit(lambda x: x @ x)  # one function: compiled once per shape and device, also when the health check re-measures
+
+
+def matmul_tflops(device: jax.Device, n: int, repeats: int, slow_s: float = 0.0,
+                  min_total_s: float = MATMUL_MIN_S) -> float:
+    """TFLOP/s of an n x n matmul on `device` (bf16; fp32 on the CPU), the best of the timed calls."""
+    a = _ones(device, n)()
+    return 2.0 * n ** 3 / _best_time(lambda: _square(a), repeats, slow_s, min_total_s) / 1e12
+
+
+@functools.lru_cache(maxsize=None)
+def _ones(device: jax.Device, n: int) -> Callable[[], jax.Array]:
+    """A compiled fill that makes the operand on `device` itself: no host-to-device transfer (the
+    health check runs inside the loop, under its transfer guard) and one compile per device."""
     dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
-    a = jax.device_put(jnp.ones((n, n), dtype), device)
-    f = jax.jit(lambda x: x @ x)
-    return 2.0 * n ** 3 / _best_time(lambda: f(a), repeats, slow_s, MATMUL_MIN_S) / 1e12
+    return jax.jit(lambda: jnp.ones((n, n), dtype), out_shardings=SingleDeviceSharding(device))
+
+
+HEALTH_MATMUL_N = {"cpu": 256}  # the run-time re-measure (observe/health.py): 4096 elsewhere (32 MiB, ~0.1 TFLOP)
+
+
+def local_matmul_check(devices: list[jax.Device]) -> Callable[[], float]:
+    """The health check's matmul: this process's slowest local device, best of 3 calls each with no
+    minimum time (milliseconds on a GPU, between steps)."""
+    n = HEALTH_MATMUL_N.get(devices[0].platform, 4096)
+    return lambda: min(matmul_tflops(d, n, 3, min_total_s=0.0) for d in devices)
 
 
 def _local_matmul_tflops(mesh: Mesh, n: int, repeats: int, slow_s: float, *, in_turns: bool,

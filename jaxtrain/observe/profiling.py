@@ -4,7 +4,9 @@ Capture: `train.profile_steps: [a, b]` makes the training loop record a JAX prof
 steps a..b into `<output_dir>/profile/` (`StepProfiler`, called by the loop before and after each
 step). Next to the trace it writes the compiled train step's HLO (`train_step.hlo.txt`: op
 kinds, shapes and replica groups, which a CPU trace does not carry) and `profile.json` (steps,
-devices, process).
+devices, process). With an `on_summary` callback (the trainer's: the Prometheus exporter's
+`on_profile`, when it is on) it also splits the trace (`summarize`) on a daemon thread once the
+trace is written, and hands the callback the summary: the loop never waits for it.
 
 Summary: `jaxtrain profile-summary RUN_DIR [--json]` (`summarize`) reads the trace that
 `jax.profiler` wrote (`plugins/profile/<time>/<host>.xplane.pb`, read with
@@ -45,9 +47,11 @@ from __future__ import annotations
 import bisect
 import json
 import re
+import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from jaxtrain.checkpoint.paths import is_remote  # imports nothing heavy
 
@@ -76,14 +80,18 @@ class StepProfiler:
     profile_steps or when not `enabled` (processes other than the first write nothing).
     """
 
+    SUMMARY_WAIT_S = 10.0  # close() waits this long for a summary still being computed
+
     def __init__(self, profile_steps: Iterable[int] | None, directory: str, total_steps: int | None = None,
-                 enabled: bool = True):
+                 enabled: bool = True, on_summary: Callable[[dict], None] | None = None):
         """Args:
           profile_steps: [first, last] (train.profile_steps), or empty for no trace.
           directory: where the trace goes (`<output_dir>/profile`); a local path (a run directory
             in object storage gets no trace: the profiler and the summary read local files).
           total_steps: the run's last step (train.steps): a trace asked for past it stops there.
           enabled: False on processes that should not trace.
+          on_summary: called with `summarize`'s dict (top_ops left empty) once the trace is written,
+            from a daemon thread; None: no summary is computed during the run.
         """
         steps = list(profile_steps or [])
         self.first, self.last = (steps[0], steps[-1]) if steps else (None, None)
@@ -95,6 +103,8 @@ class StepProfiler:
         self.enabled = enabled and self.first is not None and not is_remote(directory)
         self.active = False
         self._annotation = None
+        self.on_summary = on_summary
+        self._summarizer: threading.Thread | None = None
 
     def before_step(self, step: int, compiled: Any = None) -> None:
         """Start the trace before step `first`; annotate every profiled step."""
@@ -128,15 +138,35 @@ class StepProfiler:
             jax.profiler.stop_trace()
             self.active = False
             self.enabled = False
+            if self.on_summary is not None:
+                # Off the loop: reading a large run's trace takes seconds of host time (0.13 s for a
+                # 2-device CPU test); it reads files only, never a device.
+                self._summarizer = threading.Thread(target=self._summarize, name="jaxtrain-profile-summary",
+                                                    daemon=True)
+                self._summarizer.start()
+
+    def _summarize(self) -> None:
+        """The summary thread: split the trace just written and hand it over; a failure is one warning."""
+        try:
+            summary = summarize(self.directory, top=0)
+        except Exception as e:  # noqa: BLE001 -- a trace we cannot read must not end the run
+            print(f"jaxtrain: warning: train.profile_steps: no summary of the trace: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return
+        self.on_summary(summary)
 
     def close(self) -> None:
-        """Stop a trace still running (the run ended before step `last`)."""
+        """Stop a trace still running (the run ended before step `last`; no summary of a cut trace),
+        and wait up to SUMMARY_WAIT_S for a summary still being computed."""
         if self.active:
             import jax
             if self._annotation is not None:
                 self._annotation.__exit__(None, None, None)
             jax.profiler.stop_trace()
             self.active = False
+        if self._summarizer is not None:
+            self._summarizer.join(self.SUMMARY_WAIT_S)
+            self._summarizer = None
 
 
 # ---------------------------------------------------------------------------------- HLO facts

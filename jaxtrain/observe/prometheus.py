@@ -12,7 +12,9 @@ record of a log step; each iteration's wall time and data wait; the events it ra
 assignments and two histogram observations per step. Everything else is read on the scrape thread
 from host-side state: the watchdog's heartbeat, the checkpointer's last commit, the straggler
 check's last gathered table, the rollback count, and `device.memory_stats()` (an allocator query
-of the runtime, no transfer, no sync; absent on the CPU).
+of the runtime, no transfer, no sync; absent on the CPU). Two figures arrive once, as plain dicts
+the exporter reduces on arrival: the preflight report (`on_preflight`, at start-up) and the split of
+the profiled steps (`on_profile`, from the profiler's summary thread once its trace is written).
 
 Every series carries the labels `run` (run.name), `process` and `host`. Names start with
 `jaxtrain_`; what each means is in docs/monitoring.md, the alert rules built on them in
@@ -30,6 +32,8 @@ from typing import Any, Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Histogram, start_http_server, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from jaxtrain.observe.profiling import COLLECTIVE_KINDS, COMPUTE_KINDS, WAIT_KINDS
 
 LABELS = ("run", "process", "host")
 TEXTFILE_EVERY_S = 10.0  # node_exporter reads the file at its own scrape; a few seconds stale is fine
@@ -53,11 +57,67 @@ STEP_GAUGES = {
     "learning_rate": ("jaxtrain_learning_rate", "Learning rate of the last finished step"),
     "skipped_steps": ("jaxtrain_skipped_steps", "Steps whose update was not applied, over the whole run"),
 }
+# The profile summary's parts by group (the `group` label of jaxtrain_profile_seconds): summing a
+# group gives compute, collective or wait time per step; summing all gives the step time.
+PROFILE_GROUPS = {**{k: "compute" for k in COMPUTE_KINDS}, **{k: "collective" for k in COLLECTIVE_KINDS},
+                  **{k: "wait" for k in WAIT_KINDS}}
 
 
 def local_index(hosts: Sequence[str], process_index: int) -> int:
     """This process's index among the job's processes on its own machine (its port offset)."""
     return list(hosts[:process_index]).count(hosts[process_index])
+
+
+def _number(v: Any) -> float | None:
+    """A finite float, or None (a report's NaN or missing figure is no sample)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if f == f and f not in (float("inf"), float("-inf")) else None
+
+
+def preflight_figures(report: dict[str, Any], me: int) -> dict[str, Any]:
+    """Process `me`'s figures from a preflight report (`fault.preflight.run_preflight`'s return, the
+    `preflight` event): its matmul rate and the job's median, the pairs touching it by peer and link
+    kind (intra_node / inter_node) and the slowest of them, the verdict's reference per link kind,
+    its per-axis collective bandwidths, whether it was named, and how many slow pairs touch it."""
+    hosts = list(report.get("hosts") or [])
+    links: dict[str, tuple[str, float]] = {}  # peer -> (link kind, GB/s)
+    for pair, gbps in (report.get("pairs_gbps") or {}).items():
+        i, j = (int(p) for p in pair.split("-"))
+        v = _number(gbps)
+        if me in (i, j) and v is not None:
+            # preflight_plan.pair_class's kinds (not imported: fault already uses observe)
+            kind = "unknown" if max(i, j) >= len(hosts) else "intra_node" if hosts[i] == hosts[j] else "inter_node"
+            links[str(i + j - me)] = (kind, v)
+    # axes_gbps: axis -> {"all_reduce_gbps", "all_gather_gbps"}; the op label as the profile spells it
+    axes = {(axis, op.removesuffix("_gbps").replace("_", "-")): _number(v)
+            for axis, ops in (report.get("axes_gbps") or {}).items() for op, v in ops.items()}
+    matmul = list(report.get("matmul_tflops") or [])
+    return {"matmul_tflops": _number(matmul[me]) if me < len(matmul) else None,
+            "median_matmul_tflops": _number(report.get("median_matmul_tflops")),
+            "links": links, "link_min_gbps": min((v for _, v in links.values()), default=None),
+            "reference_gbps": {k: _number(v) for k, v in (report.get("reference_gbps") or {}).items()},
+            "axes": {k: v for k, v in axes.items() if v is not None},
+            "named": me in (report.get("named") or ()),
+            "slow_links": sum(1 for pair in (report.get("slow_pairs") or ()) if me in pair)}
+
+
+def profile_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """What the metrics take from a profile summary (`observe.profiling.summarize`): seconds per step
+    of each part (averaged over the profiled devices), the step time, the collectives' share of it,
+    each collective kind's achieved GB/s, the last profiled step and the steps averaged."""
+    step_time = _number(summary.get("step_time_s"))
+    collectives = _number(summary.get("collectives_s"))
+    profiled = summary.get("profiled_steps") or []
+    return {"parts": {p: v for p, v in ((p, _number(v)) for p, v in (summary.get("parts_s") or {}).items())
+                      if v is not None},
+            "step_time_s": step_time,
+            "collective_fraction": collectives / step_time if step_time and collectives is not None else None,
+            "gbps": {k: v for k, v in ((k, _number((c or {}).get("gbytes_per_s")))
+                                       for k, c in (summary.get("collectives") or {}).items()) if v is not None},
+            "step": _number(profiled[-1]) if profiled else None, "steps": _number(summary.get("steps"))}
 
 
 def textfile_path(template: str, process_index: int, process_count: int) -> str:
@@ -99,6 +159,11 @@ class Exporter:
         self.record_values: dict[str, float] = {}
         self.events: dict[str, int] = {}  # kind -> events this process raised or saw
         self.straggler_reports = 0  # straggler events naming this process
+        # Set once, each a new dict (an assignment the scrape thread sees whole): preflight_figures()
+        # of the start-up check (multi-process jobs), profile_figures() of the profiled steps
+        # (train.profile_steps; the profiling process only, the first).
+        self.preflight: dict[str, Any] | None = None
+        self.profile: dict[str, Any] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.step_seconds = Histogram("jaxtrain_step_seconds", "Wall time of each loop iteration (one step)",
                                       LABELS, registry=self.registry, buckets=TIME_BUCKETS).labels(**self.labels)
@@ -179,6 +244,18 @@ class Exporter:
         self.events[kind] = self.events.get(kind, 0) + 1
         if kind == "straggler" and details.get("process") == self.process_index:
             self.straggler_reports += 1
+
+    def on_preflight(self, report: dict[str, Any]) -> None:
+        """The preflight report (`run_preflight`'s return): this process's figures are taken out now,
+        once, so that a scrape reads plain numbers."""
+        if self.enabled:
+            self.preflight = preflight_figures(report, self.process_index)
+
+    def on_profile(self, summary: dict[str, Any]) -> None:
+        """The split of the profiled steps (`profiling.summarize`'s dict). Called from the profiler's
+        summary thread, after the trace is written: the loop does not wait for the summary."""
+        if self.enabled:
+            self.profile = profile_figures(summary)
 
     # -- read on the scrape thread
 
@@ -277,6 +354,8 @@ class _Snapshot(Collector):
                 if key in stats:
                     family.add_metric(values + [str(d.id)], float(stats[key]))
         yield from (in_use, peak, limit)
+        yield from _preflight_families(x.preflight, keys, values, gauge)
+        yield from _profile_families(x.profile, keys, values, gauge)
 
         if x.health is not None and x.health.every > 0:
             for k, v in dict(x.health.values).items():
@@ -286,6 +365,88 @@ class _Snapshot(Collector):
             for check, w in sorted(dict(x.health.warnings).items()):
                 warning.add_metric(values + [check], 1.0 if w else 0.0)
             yield warning
+            yield from _gpu_families(keys, values, dict(getattr(x.health, "gpu_values", {})))
+
+
+# NVML's counters per GPU (observe/nvml.py): (counter, gauge name, help).
+GPU_GAUGES = (
+    ("ecc_uncorrected", "jaxtrain_health_gpu_ecc_uncorrected", "Volatile uncorrected ECC errors (NVML)"),
+    ("ecc_uncorrected_in_run", "jaxtrain_health_gpu_ecc_uncorrected_in_run",
+     "Uncorrected ECC errors since this process's first health check"),
+    ("ecc_corrected", "jaxtrain_health_gpu_ecc_corrected", "Volatile corrected ECC errors (NVML)"),
+    ("remap_pending", "jaxtrain_health_gpu_remap_pending", "1 while a row remap waits for a GPU reset"),
+    ("remap_failure", "jaxtrain_health_gpu_remap_failure", "1 when a row remap failed"),
+    ("throttle", "jaxtrain_health_gpu_clock_event_reasons", "NVML clock-event reasons bitmask"),
+    ("temperature_c", "jaxtrain_health_gpu_temperature_celsius", "GPU temperature"),
+)
+
+
+def _gpu_families(keys: list[str], values: list[str], gpus: dict[int, dict[str, Any]]) -> Iterable[Any]:
+    """One gauge per NVML counter, a series per GPU (labels gpu = NVML index, uuid)."""
+    if not gpus:
+        return
+    for counter, name, doc in GPU_GAUGES:
+        g = GaugeMetricFamily(name, doc, labels=keys + ["gpu", "uuid"])
+        for index, gpu in sorted(gpus.items()):
+            if counter in gpu:
+                g.add_metric(values + [str(index), str(gpu.get("uuid", ""))], float(gpu[counter]))
+        yield g
+
+
+def _preflight_families(pf: dict[str, Any] | None, keys: list[str], values: list[str],
+                        gauge: Callable[..., Any]) -> Iterable[Any]:
+    """The preflight's figures of this process (none before the check ran, or without one)."""
+    if pf is None:
+        return
+    yield gauge("jaxtrain_preflight_matmul_tflops", "Preflight matmul TFLOP/s of this process's slowest local device",
+                pf["matmul_tflops"])
+    yield gauge("jaxtrain_preflight_matmul_median_tflops", "Median preflight matmul TFLOP/s over the job's processes",
+                pf["median_matmul_tflops"])
+    yield gauge("jaxtrain_preflight_named", "1 when the preflight named this process (slow matmul or links)",
+                1.0 if pf["named"] else 0.0)
+    yield gauge("jaxtrain_preflight_slow_links", "Preflight slow pairs touching this process", pf["slow_links"])
+    links = GaugeMetricFamily("jaxtrain_preflight_link_gbps", "Preflight exchange GB/s per rail between this "
+                              "process and a peer (the slower end's figure)", labels=keys + ["peer", "link"])
+    for peer, (kind, gbps) in sorted(pf["links"].items(), key=lambda kv: int(kv[0])):
+        links.add_metric(values + [peer, kind], gbps)
+    yield links
+    yield gauge("jaxtrain_preflight_link_min_gbps", "Slowest preflight pair touching this process, GB/s",
+                pf["link_min_gbps"])
+    reference = GaugeMetricFamily("jaxtrain_preflight_link_reference_gbps", "Median GB/s of the job's pairs of "
+                                  "a link kind touching no named process (the preflight verdict's reference)",
+                                  labels=keys + ["link"])
+    for kind, gbps in sorted(pf["reference_gbps"].items()):
+        if gbps is not None:
+            reference.add_metric(values + [kind], gbps)
+    yield reference
+    axes = GaugeMetricFamily("jaxtrain_preflight_axis_gbps", "Preflight collective GB/s per device over a mesh "
+                             "axis, as this process timed it", labels=keys + ["axis", "op"])
+    for (axis, op), gbps in sorted(pf["axes"].items()):
+        axes.add_metric(values + [axis, op], gbps)
+    yield axes
+
+
+def _profile_families(pr: dict[str, Any] | None, keys: list[str], values: list[str],
+                      gauge: Callable[..., Any]) -> Iterable[Any]:
+    """The split of the profiled steps (none until a trace of train.profile_steps was summarized)."""
+    if pr is None:
+        return
+    parts = GaugeMetricFamily("jaxtrain_profile_seconds", "Seconds per step per device of each part of the "
+                              "profiled steps (they sum to the step time)", labels=keys + ["group", "part"])
+    for part, seconds in pr["parts"].items():
+        parts.add_metric(values + [PROFILE_GROUPS.get(part, "other"), part], seconds)
+    yield parts
+    yield gauge("jaxtrain_profile_step_time_seconds", "Step time over the profiled steps", pr["step_time_s"])
+    yield gauge("jaxtrain_profile_collective_fraction", "Share of the profiled step time in collectives (0..1)",
+                pr["collective_fraction"])
+    gbps = GaugeMetricFamily("jaxtrain_profile_collective_gbps", "Achieved GB/s per device of each collective "
+                             "kind in the profiled steps (wire bytes from the HLO over its time)",
+                             labels=keys + ["op"])
+    for op, v in pr["gbps"].items():
+        gbps.add_metric(values + [op], v)
+    yield gbps
+    yield gauge("jaxtrain_profile_step", "Last step of the profiled range (train.profile_steps)", pr["step"])
+    yield gauge("jaxtrain_profile_steps", "Complete steps the profile figures average", pr["steps"])
 
 
 def _memory_stats(device: Any) -> dict[str, Any]:

@@ -220,11 +220,113 @@ def test_health_checks_warn_before_a_failure_and_are_published():
     assert len(events) == n  # 0 = off
 
 
+def real_preflight_report() -> dict:
+    """The in-process preflight on 2 of the simulated devices (one process, a data axis of 2): the
+    report run_preflight returns and logs, small sizes (about 1 s)."""
+    from jax.sharding import Mesh
+
+    from jaxtrain.fault.preflight import run_preflight
+
+    logged: list[tuple] = []
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    report = run_preflight(load_config(TINY), mesh, ["h0"], lambda kind, step, **d: logged.append((kind, d)),
+                           matmul_n=64, mbytes=0.01, repeats=1)
+    assert logged == [("preflight", report)]
+    return report
+
+
+def four_process_report(real: dict) -> dict:
+    """The report of a 4-process job on 2 hosts whose process 3 has a bad network card (its two
+    inter-node pairs 15x slower), with the real report's keys and the real verdict (preflight_plan)."""
+    from jaxtrain.fault.preflight_plan import verdict
+
+    hosts = ["a", "a", "b", "b"]
+    pairs = {(0, 1): 9.0, (2, 3): 8.8, (0, 2): 1.4, (1, 2): 1.5, (0, 3): 0.1, (1, 3): 0.1}
+    links = verdict(pairs, hosts, 0.7)
+    matmul = [1.5, 1.6, 1.55, real["matmul_tflops"][0]]
+    named = sorted(links["named"])
+    report = {**real, "processes": 4, "hosts": hosts, "matmul_tflops": matmul,
+              "median_matmul_tflops": float(np.median(matmul)),
+              "axes_gbps": {**real["axes_gbps"], "fsdp": {"all_reduce_gbps": 0.25, "all_gather_gbps": 0.5}},
+              "pairs_gbps": {f"{i}-{j}": v for (i, j), v in pairs.items()}, "named": named,
+              "named_hosts": [hosts[p] for p in named], "slow_pairs": links["slow_pairs"],
+              "slow_pair_hosts": [[hosts[i], hosts[j]] for i, j in links["slow_pairs"]],
+              "named_for_links": links["named"], "reference_gbps": links["reference_gbps"], "rounds": 3, "rails": 1}
+    assert set(report) == set(real)
+    assert named == [3] and links["slow_pairs"] == [[0, 3], [1, 3]], links
+    assert set(links["reference_gbps"]) == {"intra_node", "inter_node"}  # the exporter's `link` label values
+    return report
+
+
+def real_profile_summary() -> dict:
+    """profiling.summarize_events's split of two executions on two devices (milliseconds: an
+    elementwise fusion 30, an all-reduce of 4 MB wire bytes 20, a fusion 10; 40 of host wait between
+    the executions): per step per device 40 ms elementwise, 20 all-reduce, 20 host wait."""
+    from jaxtrain.observe.profiling import HloOp, _Event, summarize_events
+
+    ms, line = 1e6, ("/host:CPU", "tf_XLAEigen/1")
+    events = [_Event((offset + a) * ms, (offset + b) * ms, op, "jit_step", run, device, line)
+              for device in (0, 1) for run, offset in ((0, 0), (1, 100))
+              for a, b, op in ((0, 30, "fusion.1"), (30, 50, "all-reduce.5"), (50, 60, "fusion.3"))]
+    hlo = {"all-reduce.5": HloOp("all-reduce.5", "all-reduce", "all-reduce", 4e6, "")}
+    return summarize_events(events, hlo, {"steps": [3, 4], "platform": "cpu"}, top=0)
+
+
+def test_preflight_and_profile_figures_are_published():
+    """A real single-process preflight report, a 4-process one of the same shape (process 3 named
+    for its links), and a real profile summary: each process publishes its own figures."""
+    real = real_preflight_report()
+    four = four_process_report(real)
+    summary = real_profile_summary()
+    assert summary["step_time_s"] == pytest.approx(0.08) and summary["collectives_s"] == pytest.approx(0.02)
+    port = free_ports(2)
+    solo = Exporter(port=port, addr="127.0.0.1", run="r", process_index=0, host="h0").start()
+    bad = Exporter(port=port, addr="127.0.0.1", run="r", process_index=3, process_count=4, host="b", local=1).start()
+    try:
+        assert value(scrape(port), "jaxtrain_preflight_named") is None  # nothing before the check
+        solo.on_preflight(real)
+        solo.on_profile(summary)
+        bad.on_preflight(four)
+        m = scrape(port)
+        assert value(m, "jaxtrain_preflight_matmul_tflops", process="0") == real["matmul_tflops"][0] > 0
+        assert value(m, "jaxtrain_preflight_matmul_median_tflops") == real["median_matmul_tflops"]
+        for op in ("all-reduce", "all-gather"):
+            got = value(m, "jaxtrain_preflight_axis_gbps", axis="data", op=op)
+            assert got == real["axes_gbps"]["data"][op.replace("-", "_") + "_gbps"] and got > 0, op
+        assert value(m, "jaxtrain_preflight_named") == 0 and value(m, "jaxtrain_preflight_slow_links") == 0
+        assert "jaxtrain_preflight_link_gbps" not in m and "jaxtrain_preflight_link_min_gbps" not in m  # no pairs
+        parts = {labels["part"]: (labels["group"], v) for labels, v in m["jaxtrain_profile_seconds"]}
+        assert parts["elementwise"] == ("compute", pytest.approx(0.04))
+        assert parts["all-reduce"] == ("collective", pytest.approx(0.02))
+        assert parts["host_wait"] == ("wait", pytest.approx(0.02)) and parts["idle"] == ("wait", 0.0)
+        assert sum(v for _, v in parts.values()) == pytest.approx(0.08)
+        assert value(m, "jaxtrain_profile_step_time_seconds") == pytest.approx(0.08)
+        assert value(m, "jaxtrain_profile_collective_fraction") == pytest.approx(0.25)
+        assert value(m, "jaxtrain_profile_collective_gbps", op="all-reduce") == pytest.approx(0.2)  # 4 MB / 20 ms
+        assert [labels["op"] for labels, _ in m["jaxtrain_profile_collective_gbps"]] == ["all-reduce"]
+        assert value(m, "jaxtrain_profile_step") == 4 and value(m, "jaxtrain_profile_steps") == 2
+
+        m = scrape(port + 1)  # process 3, the machine's second
+        assert value(m, "jaxtrain_preflight_matmul_tflops", process="3") == real["matmul_tflops"][0]
+        assert value(m, "jaxtrain_preflight_named") == 1 and value(m, "jaxtrain_preflight_slow_links") == 2
+        links = {(labels["peer"], labels["link"]): v for labels, v in m["jaxtrain_preflight_link_gbps"]}
+        assert links == {("0", "inter_node"): 0.1, ("1", "inter_node"): 0.1, ("2", "intra_node"): 8.8}
+        assert value(m, "jaxtrain_preflight_link_min_gbps") == 0.1
+        assert value(m, "jaxtrain_preflight_link_reference_gbps", link="inter_node") == pytest.approx(1.45)
+        assert value(m, "jaxtrain_preflight_link_reference_gbps", link="intra_node") == pytest.approx(8.9)
+        assert value(m, "jaxtrain_preflight_axis_gbps", axis="fsdp", op="all-gather") == 0.5
+        assert "jaxtrain_profile_seconds" not in m  # only the profiling process has a profile
+    finally:
+        solo.close()
+        bad.close()
+
+
 # ----------------------------------------------------------------------------- inside the loop
 
 
 def test_the_endpoint_adds_no_transfer_and_no_recompile_while_scraped(tmp_path):
-    """The loop under jax.transfer_guard('disallow') with the endpoint on and scraped every 20 ms."""
+    """The loop under jax.transfer_guard('disallow') with the endpoint on and scraped every 20 ms;
+    steps 3-4 profiled, their split published once summarized (off the loop)."""
     from jaxtrain.trainer import Trainer
 
     port = free_ports(1)
@@ -232,7 +334,7 @@ def test_the_endpoint_adds_no_transfer_and_no_recompile_while_scraped(tmp_path):
                              "checkpoint.every_steps=3", "checkpoint.save_at_end=false",
                              f"observe.prometheus_port={port}", "observe.prometheus_addr=127.0.0.1",
                              f"observe.prometheus_textfile={tmp_path}/m.prom", "fault.health_every_steps=2",
-                             *SMALL[:5]])
+                             "train.profile_steps=[3,4]", *SMALL[:5]])
     trainer = Trainer(cfg, devices=jax.devices()[:2])
     seen: list[float] = []
     stop = threading.Event()
@@ -260,6 +362,9 @@ def test_the_endpoint_adds_no_transfer_and_no_recompile_while_scraped(tmp_path):
     assert len(seen) > 3 and max(seen) == 6, seen  # it was scraped while training
     m = {s.name: s.value for f in text_string_to_metric_families((tmp_path / "m.prom").read_text()) for s in f.samples}
     assert m["jaxtrain_step"] == 6 and m["jaxtrain_checkpoint_step"] == 6
+    assert m["jaxtrain_profile_step"] == 4 and m["jaxtrain_profile_steps"] >= 1  # close() waited for the summary
+    assert 0 < m["jaxtrain_profile_collective_fraction"] < 1  # data=2: the gradients' all-reduce
+    assert m["jaxtrain_profile_step_time_seconds"] > 0
     health = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines()) if e["kind"] == "health"]
     assert [e["step"] for e in health] == [2, 4, 6] and "host_memory_available_ratio" in health[0], health
 
