@@ -37,6 +37,19 @@ maps `layers -> stage`, so device s stores the contiguous block of layers [s·L/
   self-contained cost: GPipe moves no weights, circular pays one weight all-to-all per model call
   for its smaller bubble.
 
+The microbatches' inputs and outputs (MaxText's `state_io`). Stage 0 reads one microbatch per
+iteration and the last stage writes one, but no stage device keeps all M of them: they lie in a
+ring of S·ceil(M/S) positions sharded over `stage`, ceil(M/S) per device, that turns one position
+per iteration (one microbatch per device moves one stage down, a collective-permute like the
+activations' shift), so each microbatch reaches stage 0 when its round starts. The last stage
+writes an item's output where it reaches stage 0 in time for its next round (circular), or where
+it stays until the loop ends (its last round). Before, every stage device held all M
+microbatches of its data shard (only stage 0's copy was read), plus the gathered inputs and
+outputs: S times the memory, see docs/memory.md. Positions and segment ids (no model dimension)
+are still kept whole on every stage device. Where a circular schedule's outputs must go to a
+middle stage (for some S < M < S²; M = S and M >= S² write on stage 0 or the last stage), that
+costs one more collective-permute of one microbatch per device and iteration (`_ring_positions`).
+
 Outside the pipeline (embedding, final norm, head, loss) the batch is sharded over `stage` too
 (default rules: batch -> [data, stage, fsdp]), so no stage device repeats that work; inside,
 each microbatch is split only over the batch axes other than `stage`.
@@ -239,20 +252,28 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     in_stage = part.without(spmd_axes)  # inside one stage: the batch axes left besides the stage axes
 
     def split(a, names, inner):
-        """[B, ...] -> [M, B/M, ...], microbatch m taking rows m, m+M, ... (as step.split_microbatches).
-        Gathered over the stage axes first (any stage device may feed stage 0), so the reshape
-        itself moves nothing."""
+        """[B, ...] -> [M, B/M, ...], microbatch m taking rows m, m+M, ... (as step.split_microbatches)."""
         a = inner.constrain(a, names)
         return inner.constrain(a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1), (None, *names))
 
-    x_MBLD = split(x_BLD, ("batch", "length", "act_embed"), in_stage)
+    # Positions and segment ids are small (no model dimension): every stage device keeps all of them.
     ids_MBL = jax.tree_util.tree_map(lambda a: split(a, ("batch", "length"), in_stage), (positions_BL, segment_ids_BL))
-    # Stage 0's slot of `loop` holds every microbatch's input for its next round (its own rows
-    # at first, then what left the last stage). The other slots are never read: the buffer has a
-    # stage dimension only so that writing to it stays on stage 0's devices.
-    loop_SMBLD = constrain(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)),
-                           ("layers", None, "batch", "length", "act_embed"))
+    # The ring of microbatch activations (MaxText's state_io): N = S·K positions, K per stage
+    # device, so each device keeps K = ceil(M/S) microbatches, not all M. Position n lives on stage
+    # n // K; at the start of iteration t it is local slot (n + t) % K there. Every iteration the
+    # ring turns one position: slot t % K of every stage moves one stage down (a collective-permute
+    # of one microbatch per device, like the activations' shift), position 0 (stage 0's input)
+    # wrapping round to the last position. See `_ring_positions` for where items are written.
+    K = -(-M // S)
+    N = S * K
+    ring_names = ("layers", None, "batch", "length", "act_embed")
+    x_MBLD = x_BLD.reshape(B // M, M, *x_BLD.shape[1:]).swapaxes(0, 1)  # no gather over the stage axes
+    if N > M:  # padding positions: read only by stage 0's discarded (bubble) work, as zeros
+        x_MBLD = jnp.concatenate([x_MBLD, jnp.zeros((N - M, *x_MBLD.shape[1:]), x_MBLD.dtype)])
+    ring = constrain(x_MBLD.reshape(S, K, *x_MBLD.shape[1:]), ring_names)  # microbatch m at position m
     stage_S = jnp.arange(S)
+    recirc_pos, last_pos = _ring_positions(S, M, K)
+    recirc_stage = recirc_pos // K
 
     in_replica = part.without(spmd_axes + replicas)
 
@@ -276,22 +297,24 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
         # only: the model checkpoints no layer inside it, so each layer runs forward twice, not three times.
         all_stages = jax.checkpoint(all_stages, policy=remat_policy, prevent_cse=False)
 
-    def feed(loop, t):
-        """Stage 0's inputs at iteration t: microbatch t % M (x in every slot of the loop buffer,
-        positions and segment ids broadcast over the stage slots)."""
+    def ids_at(t):
+        """Positions and segment ids of microbatch t % M, in every stage slot (stage 0's are used)."""
         m = t % M
-        x = jax.lax.dynamic_index_in_dim(loop, m, 1, keepdims=False)
-        ids = jax.tree_util.tree_map(
+        return jax.tree_util.tree_map(
             lambda a: jnp.broadcast_to(jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False), (S, *a.shape[1:])),
             ids_MBL)
-        return (x, *ids)
 
     def per_stage(tree):
         return tuple(None if a is None else constrain(a, _X if i == 0 else _IDS) for i, a in enumerate(tree))
 
+    def on_stage(s, new, old):
+        return jnp.where((stage_S == s).reshape(S, *[1] * (new.ndim - 1)), new, old)
+
     def iteration(carry, t):
-        state, loop = carry
-        first = feed(loop, t)
+        state, ring = carry
+        col = t % K
+        slots = constrain(jax.lax.dynamic_index_in_dim(ring, col, 1, keepdims=False), _X)  # stage 0's: position 0
+        first = (slots, *ids_at(t))
         is_first = lambda a: (stage_S == 0).reshape(S, *[1] * (a.ndim - 1))
         inputs = per_stage(jax.tree_util.tree_map(lambda f, s: jnp.where(is_first(f), f, s), first, state))
         repeat_S = jnp.clip((t - stage_S) // M, 0, R - 1)  # stage s works on item t - s: round (t - s) // M
@@ -299,15 +322,54 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
         # Everything moves one stage on; the last stage's output lands in stage 0's slot.
         shifted = per_stage(jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), (y_SBLD, *inputs[1:])))
         done = t - (S - 1)  # the item the last stage just finished (negative while the pipeline fills)
-        slot = done % M
-        old = jax.lax.dynamic_index_in_dim(loop, slot, 1, keepdims=False)
-        loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(done >= 0, shifted[0], old), slot, 1)
-        return (shifted, loop), None
+        # The ring turns: slot `col` of each stage moves one stage down (what stage 0 just read
+        # wraps round to the last stage, at the last position). An item's last round is written
+        # there, where it stays until the loop ends.
+        turned = constrain(jnp.roll(slots, -1, axis=0), _X)
+        turned = on_stage(S - 1, jnp.where(done >= (R - 1) * M, y_SBLD, turned), turned)
+        ring = jax.lax.dynamic_update_index_in_dim(ring, turned, col, 1)
+        if R > 1:
+            # An earlier round goes to the position that reaches stage 0 when its next round starts.
+            if recirc_stage == 0:
+                src = shifted[0]  # the shift already brought the last stage's output to stage 0
+            elif recirc_stage == S - 1:
+                src = y_SBLD
+            else:  # one more collective-permute of one microbatch per device (see _ring_positions)
+                src = constrain(jnp.roll(y_SBLD, recirc_stage + 1, axis=0), _X)
+            rcol = (recirc_pos + t + 1) % K
+            old = jax.lax.dynamic_index_in_dim(ring, rcol, 1, keepdims=False)
+            new = on_stage(recirc_stage, jnp.where((done >= 0) & (done < (R - 1) * M), src, old), old)
+            ring = jax.lax.dynamic_update_index_in_dim(ring, constrain(new, _X), rcol, 1)
+        return (shifted, constrain(ring, ring_names)), None
 
-    # Every stage starts on microbatch 0, so even the bubble's (discarded) work sees real, finite rows.
-    init = per_stage(feed(loop_SMBLD, jnp.int32(0)))
-    (_, loop_SMBLD), _ = jax.lax.scan(iteration, (init, loop_SMBLD), jnp.arange(schedule.iterations))
-    # The inverse of `split`: reshape where it is local, then shard over stage again.
-    y_MBLD = in_stage.constrain(loop_SMBLD[0], (None, "batch", "length", "act_embed"))
-    y_BLD = in_stage.constrain(y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape), ("batch", "length", "act_embed"))
+    # Every stage starts on its own first ring slot (real, finite rows), so even the bubble's
+    # (discarded) work sees real rows; no microbatch is copied to other stages for it.
+    init = per_stage((constrain(ring[:, 0], _X), *ids_at(jnp.int32(0))))
+    (_, ring), _ = jax.lax.scan(iteration, (init, ring), jnp.arange(schedule.iterations))
+    # After T iterations position n is slot (n + T) % K of stage n // K: a local roll puts the slots
+    # in position order; microbatch m's output is at position last_pos - (M - 1) + m.
+    T = schedule.iterations
+    ring = constrain(jnp.roll(ring, -(T % K), axis=1), ring_names)
+    y_MBLD = ring.reshape(N, *ring.shape[2:])[last_pos - (M - 1):last_pos + 1]
+    y_BLD = y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape)  # the inverse of the microbatch split
     return constrain(y_BLD, ("batch", "length", "act_embed"))
+
+
+def _ring_positions(S: int, M: int, K: int) -> tuple[int, int]:
+    """(recirc, last): the ring positions the last stage's output is written to at the end of an
+    iteration: `recirc` for an item with rounds to go (circular schedule), `last` for its last round.
+
+    The ring turns one position per iteration and stage 0 reads position 0 at the start of each,
+    so an item written at position n at the end of iteration t is read at iteration t + n + 1.
+    - An item finished by the last stage at iteration t started its round at t − (S − 1) and its
+      next round starts at t − (S − 1) + M: so recirc = M − S. That is the slot stage 0 read the
+      item from (the turn wrapped it to the last position), turned S − 1 times since: a hole,
+      nothing else lives there. It lies on stage (M − S) // K: stage 0 when M − S < K (M = S
+      among them; the activations' shift brings the output there), the last stage when M >= S²,
+      otherwise a stage in between, which costs a second collective-permute of one microbatch per
+      device and iteration.
+    - An item's last round (and GPipe's only one) goes to the last position, N − 1 (the last
+      stage's own, which stage 0 just read and the turn wrapped round): it would come back to
+      stage 0 only N >= M iterations later, after the loop has ended, so it stays in the ring.
+    """
+    return M - S, S * K - 1

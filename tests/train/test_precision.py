@@ -66,7 +66,9 @@ def host(tree):
 def test_the_default_scale_means_the_same_at_any_tokens_per_step(tmp_path):
     """The loss scale multiplies the mean loss: fp16 with the default scale (2**15) skips the same
     steps at 256 and at 4,096 tokens per step (none). Scaling the summed loss made the effective
-    scale 2**15 x tokens: at 4k tokens the first step overflowed and was skipped."""
+    scale 2**15 x tokens: at 4k tokens the first step overflowed and was skipped (while the weight
+    gradients were fp16 sums over tokens; with them fp32 this passes either way: the next test
+    is the one that tells the mean from the sum)."""
     skipped = {}
     for batch, seq in ((8, 32), (16, 256)):
         t = trainer(tmp_path / str(batch), "precision.policy=fp16", f"data.global_batch_size={batch}",
@@ -75,6 +77,37 @@ def test_the_default_scale_means_the_same_at_any_tokens_per_step(tmp_path):
         skipped[batch * seq] = [r["step"] for r in records if r["skipped"]]
         assert records[0]["loss_scale"] == 32768.0
     assert skipped == {256: [], 4096: []}, skipped
+
+
+def first_fitting_scale(tmp_path, batch: int, seq: int, init: float) -> tuple[float, float]:
+    """(the first loss scale at which a step is not skipped, backing off from `init`; the counted
+    tokens of a batch), fp16, growth off."""
+    t = trainer(tmp_path, "precision.policy=fp16", f"data.global_batch_size={batch}", f"data.seq_len={seq}",
+                f"precision.loss_scale_init={init}", "precision.growth_interval=1000")
+    tokens = float(np.sum(next(type(t.data)(t.cfg, 0, 1))["loss_mask"]))  # its first batch's
+    for _ in range(20):
+        r = t.step()
+        if not r["skipped"]:
+            return r["loss_scale"], tokens
+    raise AssertionError(f"no scale from {init} down fits at {batch} x {seq}")
+
+
+def test_the_scale_multiplies_the_mean_loss_so_the_overflow_point_follows_the_token_count(tmp_path):
+    """What the fp16 backward carries is scale x d(mean loss): per token that is scale / N times
+    the token's own gradient (N counted tokens), and the first fp16 value, the softmax gradient
+    s (p - onehot) with |p - onehot| just under 1 at init, overflows at s > 65504. So the largest
+    power-of-two scale that fits is 2**16 x N, bounded from both sides: 2**24 at 256 tokens and,
+    with 16x the tokens, 16x larger, 2**28 at 4,096. Scaling the summed loss (s = scale) fits the
+    same 2**16 at any N. (The default-scale test above cannot tell the two apart: the default
+    fits either way, the weight gradients, sums over tokens, being fp32 (model/projection.py).)"""
+    fits = {}
+    for batch, seq, init in ((8, 32, 2.0 ** 26), (16, 256, 2.0 ** 30)):  # 2**2 above each fit
+        scale, tokens = first_fitting_scale(tmp_path / str(batch), batch, seq, init)
+        assert tokens == batch * seq  # every target counted (the Markov source masks none)
+        # The cotangent of each token's loss: 2**16 fits (x (1 - p) < 65504), 2**17 overflowed.
+        assert scale / tokens == 2.0 ** 16, (batch, seq, scale, tokens)
+        fits[batch * seq] = scale
+    assert fits == {256: 2.0 ** 24, 4096: 2.0 ** 28}, fits
 
 
 def test_a_real_fp16_overflow_backs_off_until_it_fits(tmp_path):
