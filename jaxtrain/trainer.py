@@ -502,7 +502,7 @@ class Trainer:
         if not (self.cfg.fault.preflight and self.process_count > 1):
             return True
         with self.watchdog.phase("startup"):
-            report = run_preflight(self.cfg, self.mesh, self.hosts, self.log.event)
+            report = run_preflight(self.cfg, self.mesh, self.hosts, self._event)  # counted by the exporter too
         self.exporter.on_preflight(report)  # the report is plain Python: no device on the scrape thread
         self.health.matmul_preflight = report["matmul_tflops"][self.process_index]
         if report["named"] and self.cfg.fault.preflight_action == "exit":
