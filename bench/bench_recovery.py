@@ -11,6 +11,14 @@ Three runs of `jaxtrain launch --num-processes 2 --cpu-devices 1` on configs/tin
            hang (metrics time) -> the first `hang` event; minus T is the detection slack.
 Targets (issue #11): detection within T + 5 s; kill -> first step under 2x the cold start.
 
+--local-tier [--kills 5] instead compares the local checkpoint tier (issue #23): the same job, 100 steps,
+persistent checkpoints every 50 steps, with `checkpoint.local_every_steps=2` and without, each killed
+(chaos.kill_at_step, process 0, which logs the drill) at --kills random steps in 52..99 (the same steps for both) and
+restarted once: steps re-done per kill (kill step - restored step), kill -> first completed step
+after the restart, and the loop thread's time blocked per local save (`local_checkpoint_saved.
+blocked_s`, and with the wait for the step to finish, `ready_s`) as a fraction of the median step.
+Targets: re-done <= local_every_steps; blocking <= 5% of a step; kill -> first step no slower.
+
 --cache shared (default) gives both processes one cache folder, as `compilation_cache_dir=auto` (in the
 run directory) does on a cluster; --cache per-process gives each its own (`{process}`), as a per-host
 `~/.cache` does: JAX writes the cache from process 0 only, so process 1 compiles cold on every restart.
@@ -52,12 +60,62 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def local_tier(kills: int, seed: int) -> dict:
+    """The local tier against the persistent tier alone (see the module docstring)."""
+    import random
+    import statistics
+    steps = random.Random(seed).sample(range(52, 100), kills)
+    base = ["train.steps=100", "checkpoint.every_steps=50", "chaos.kill_process=0"]  # process 0 logs the drill
+    out: dict = {"kill_steps": steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cache = tmp / "cache"
+        launch(tmp / "warm", cache, "train.steps=3")  # the compilation cache, for every run alike
+        for name, extra in (("persistent_only", []), ("local_every_2", ["checkpoint.local_every_steps=2"])):
+            redone, kill_to_step, blocked, ready, step_s = [], [], [], [], []
+            for i, k in enumerate(steps):
+                run = tmp / f"{name}{i}"
+                launch(run, cache, *base, *extra, f"checkpoint.local_dir={tmp / 'local' / str(i)}",
+                       f"chaos.kill_at_step={k}", restarts=1)
+                events = jsonl(run / "events.jsonl")
+                killed = next(e["time"] for e in events if e["kind"] == "chaos")
+                resume = next((e for e in events if e["kind"] == "resume"), None)
+                if resume is None:  # nothing committed to restore (the step-50 commit was still running): from 0
+                    first = min(m["time"] for m in jsonl(run / "metrics.jsonl") if m["time"] > killed)
+                    resume = {"restored_step": 0, "time": first}
+                redone.append(k - resume["restored_step"])
+                kill_to_step.append(resume["time"] - killed)
+                blocked += [e["blocked_s"] for e in events if e["kind"] == "local_checkpoint_saved"]
+                ready += [e["ready_s"] for e in events if e["kind"] == "local_checkpoint_saved"]
+                step_s += [m["step_time_s"] for m in jsonl(run / "metrics.jsonl") if m.get("step_time_s")]
+            median_step = statistics.median(step_s)
+            out[name] = {"redone_steps_mean": round(statistics.mean(redone), 2), "redone_steps": redone,
+                         "kill_to_first_step_s_mean": round(statistics.mean(kill_to_step), 2),
+                         "kill_to_first_step_s": [round(x, 2) for x in kill_to_step],
+                         "median_step_s": round(median_step, 4)}
+            if blocked:
+                out[name].update({
+                    "local_saves": len(blocked), "blocked_per_save_s_mean": round(statistics.mean(blocked), 5),
+                    "blocked_fraction_of_step": round(statistics.mean(blocked) / median_step, 4),
+                    "ready_plus_blocked_fraction_of_step": round(
+                        (statistics.mean(blocked) + statistics.mean(ready)) / median_step, 4)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hang-timeout", type=float, default=10.0)
     parser.add_argument("--cache", choices=("shared", "per-process"), default="shared")
     parser.add_argument("--no-hang", action="store_true", help="skip the hang run (it does not depend on the cache)")
+    parser.add_argument("--local-tier", action="store_true", help="compare the local checkpoint tier (issue #23)")
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.local_tier:
+        print(json.dumps({"bench": "recovery_local_tier", "date": time.strftime("%Y-%m-%d"),
+                          "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                          "load_avg_1m": round(os.getloadavg()[0], 2), **local_tier(args.kills, args.seed)}))
+        return
     hang: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

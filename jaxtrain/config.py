@@ -206,6 +206,16 @@ class CheckpointConfig:
     # (one machine) the per-host ~/.cache/jaxtrain/xla, warm across runs.
     compilation_cache_dir: Optional[str] = "auto"
     barrier_timeout_s: float = 300.0  # host barriers fail after this, naming missing processes
+    # The local tier (jaxtrain/checkpoint/local_tier.py, docs/checkpoint.md): every N steps each process
+    # writes its own shards to node-local storage, replicated to a peer process, and a restart restores
+    # the newest step complete on every process when it is newer than the newest persistent checkpoint.
+    # 0 = off. Never uploaded; deleted at the end of a run that finished.
+    local_every_steps: int = 0
+    # Node-local storage (a local SSD or /dev/shm), never the shared run directory. null: a folder per
+    # run under the system's temporary directory. Processes keep apart under <local_dir>/process-<index>/.
+    local_dir: Optional[str] = None
+    local_keep: int = 2  # local steps kept per process (and per replica held)
+    local_replicas: int = 1  # peer processes that also keep each process's shards (0: none; on 1 process: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -655,6 +665,18 @@ def validate(cfg: Config) -> None:
                           "use keep_last >= 1")
     if c.barrier_timeout_s <= 0:
         raise ConfigError(f"checkpoint.barrier_timeout_s must be positive, got {c.barrier_timeout_s}")
+    if c.local_every_steps < 0 or c.local_replicas < 0 or c.local_keep < 1:
+        raise ConfigError("checkpoint.local_every_steps and checkpoint.local_replicas must be >= 0 and "
+                          f"checkpoint.local_keep >= 1, got {c.local_every_steps}, {c.local_replicas}, {c.local_keep}")
+    if c.local_every_steps > 0 and c.local_dir is not None:
+        if "://" in c.local_dir:
+            raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' must be a node-local path (a local SSD or "
+                              "/dev/shm), not a URL: the local tier is never uploaded")
+        if "://" not in cfg.run.output_dir:
+            local, run = Path(c.local_dir).resolve(), Path(cfg.run.output_dir).resolve()
+            if local == run or run in local.parents:
+                raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' is inside run.output_dir: the local tier "
+                                  "belongs on node-local storage, not in the shared run directory")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
 

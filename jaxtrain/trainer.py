@@ -34,6 +34,7 @@ from flax import nnx
 from jaxtrain import __version__, env
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
 from jaxtrain.checkpoint.compilation_cache import last_compile_s, shared_cache_run_dir
+from jaxtrain.checkpoint.local_tier import LocalTier
 from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.checkpoint.storage import check_access
 from jaxtrain.config import Config, ConfigError
@@ -225,17 +226,40 @@ class Trainer:
         self.rollbacks.finish_interrupted()
         self.resumed_from: int | None = None
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        # checkpoint.local_every_steps: the local tier, restored first when newer (checkpoint/local_tier.py)
+        self.local = (LocalTier(cfg.checkpoint, self.output_dir, on_event=self._event)
+                      if write_files and cfg.checkpoint.local_every_steps > 0 else None)
+        self.resume_source: str | None = None
+        if self.local is not None and self._restore_local(latest):
+            return
         if latest is not None:
             with self.watchdog.phase("checkpoint"):  # a restore gets the checkpoint deadline, not start-up's
                 self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
             self.data.set_state(extra["data"])
             self.resumed_from = latest
+            self.resume_source = "persistent"
         else:
             self.state = self.layout.init()
             if cfg.checkpoint.init_from:
                 params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
                 self.state = {**self.state, "params": params}
                 self._event("init_from", 0, path=cfg.checkpoint.init_from)
+
+    def _restore_local(self, persistent: int | None) -> bool:
+        """Restore the local tier's newest step complete on every process if it is newer than the
+        persistent step `persistent` (every process agrees); False: use the persistent tier."""
+        with self.watchdog.phase("checkpoint"):
+            plan, reason = self.local.plan(persistent, self.abstract_state())
+            if plan is not None:
+                state, extra, reason = self.local.restore(plan, self.abstract_state())
+                if state is not None:
+                    self.state = state
+                    self.data.set_state(extra["data"])
+                    self.resumed_from, self.resume_source = plan.step, plan.source
+                    return True
+        if reason != "no local checkpoints":
+            self._event("local_tier_fallback", persistent or 0, reason=reason, persistent_step=persistent)
+        return False
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
@@ -415,6 +439,10 @@ class Trainer:
             if self.checkpointer is not None:
                 with self.watchdog.phase("checkpoint"):
                     self.checkpointer.wait()  # the last checkpoint is committed before we report done
+            if self.local is not None and stop is None:  # finished: the local tier goes (never uploaded)
+                self.local.clear()
+            elif self.local is not None:  # preempted: kept, but the persistent checkpoint just saved is newer
+                self.local.wait()
         jax.block_until_ready(self.state)
         skipped = int(jax.device_get(self.state["stability"]["skipped_steps"]))
         if stop is not None:
@@ -555,6 +583,8 @@ class Trainer:
             self.data.set_state(extra["data"])
             record, discarded = self.rollbacks.commit(plan, data_from=self.data.position)
         self._host_step = plan.to_step
+        if self.local is not None:  # no local step after the rollback's target may win a restart
+            self.local.discard_after(plan.to_step)
         self.guard.reset()
         self._resume_guard()
         self.log.event("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
@@ -567,9 +597,10 @@ class Trainer:
 
     def _report_resume(self) -> None:
         jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
+        source = {} if self.local is None else {"source": self.resume_source}  # local, peer or persistent
         self.log.event("resume", self.resumed_from, restored_step=self.resumed_from,
                        restart_to_first_step_s=round(time.time() - self._started_at, 3),
-                       compile_s=round(self.compile_s, 3))
+                       compile_s=round(self.compile_s, 3), **source)
 
     def _maybe_save(self, step: int, *, last: bool, time_due: bool = False, force: bool = False) -> None:
         if self.checkpointer is None:
@@ -579,6 +610,9 @@ class Trainer:
                      "metadata": {"time": time.time(), "mesh": self.mesh_sizes, "processes": self.process_count,
                                   "version": __version__}}
             self.checkpointer.save(step, self.state, json.loads(json.dumps(extra, default=_plain)))
+        elif self.local is not None and not last and self.local.due(step):
+            # The local tier: never at a step the persistent tier saves (or at the end, which it saves).
+            self.local.save(step, self.state, {"data": json.loads(json.dumps(self.data.get_state(), default=_plain))})
 
     def save(self) -> None:
         """Checkpoint the current state now (notebooks) and wait until it is committed."""
@@ -596,6 +630,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        if getattr(self, "local", None) is not None:
+            self.local.close()
         self.profiler.close()  # a trace still running stopped; a summary being computed reaches the exporter
         if self.exporter is not None:
             self.exporter.close()

@@ -2,7 +2,8 @@
 
 Where things live: `checkpointer.py` (the Checkpointer: save/restore/retention/events),
 `layout.py` (on-disk format, commit marker, discovery, `jaxtrain checkpoints DIR`),
-`multihost.py` (barriers that name missing processes), `compilation_cache.py` (fast restart),
+`multihost.py` (barriers that name missing processes), `local_tier.py` (the node-local tier every few
+steps, replicated to a peer: `checkpoint.local_every_steps`), `compilation_cache.py` (fast restart),
 `s3_arrays.py` (jax.Array leaves on s3://, which Orbax 0.12 cannot route; see there),
 `storage.py` (bucket clients, access checks, atomic small-file writes) and `paths.py` (local
 paths and gs:// / s3:// URLs alike).

@@ -5,7 +5,8 @@ into parts that add up to the wall time exactly (docs/goodput.md):
 
     productive_s         steps whose update was applied and kept, less their data wait
     startup_s            process start to the first step of each attempt: init, preflight, restore, compile
-    checkpoint_s         training blocked by checkpoint saves (`checkpoint_saved.blocked_s`)
+    checkpoint_s         training blocked by checkpoint saves (`checkpoint_saved.blocked_s`, and the
+                         local tier's `local_checkpoint_saved.blocked_s`)
     restart_downtime_s   from a failed attempt's last measured step to the next attempt's process start
                          (detection, stopping the others, relaunch; lost unlogged steps; failed start-ups)
     hang_s               an attempt (the last one too) standing still until the watchdog fired (`hang.stalled_s`)
@@ -245,7 +246,8 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
         mine = [e for e in entries if e.attempt == i]
         measured = sum(e.time_s for e in mine)
         loop = min(measured, window - startup)
-        blocked = sum(float(e.get("blocked_s") or 0.0) for e in a.events if e.get("kind") == "checkpoint_saved")
+        blocked = sum(float(e.get("blocked_s") or 0.0) for e in a.events  # both tiers (local: checkpoint.local_every_steps)
+                      if e.get("kind") in ("checkpoint_saved", "local_checkpoint_saved"))
         checkpoint = min(blocked, loop)
         # Queueing an evaluation (its first compile included) happens inside a step interval, so
         # it is in `step_time_s` too: taken out of the steps like checkpoint blocking, never booked

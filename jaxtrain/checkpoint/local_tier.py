@@ -1,0 +1,442 @@
+"""The local checkpoint tier: frequent checkpoints on node-local storage, replicated to a peer.
+
+`checkpoint.local_every_steps=N` (0 = off) makes every process write, every N steps, the shards
+of the train state it holds (`jax.Array.addressable_shards`, each distinct index once) and the
+same JSON extras as the persistent checkpoint (the data position; the rest of the host-side state
+is in the arrays: step, RNG, loss scale, the spike window and run) to its own node-local folder,
+and the same bytes to the folder of `checkpoint.local_replicas` peer processes ((i + k) % P).
+
+Layout of `checkpoint.local_dir` (default: `<tempdir>/jaxtrain-local/<hash of run.output_dir>`):
+
+    tier.json                      {process_count, mesh, output_dir} of the job that wrote the tier (each
+                                   machine has one: every process writes it, the same on one machine)
+    process-<i>/step-<N>/          process i's own shards of step N: shards.bin + manifest.json
+    process-<i>/peer-<j>/step-<N>/ the replica process i holds for process j
+    .../step-<N>.tmp/              a write in progress (or a crashed one): never read
+
+The commit is the rename of `step-<N>.tmp/` to `step-<N>/` (the manifest written last inside it;
+no fsync: see `_write_file`); a step counts for process i when its own copy or one of its replicas is
+committed. Manifest: step, process index and count, mesh, the addressable device ids, and per
+leaf shape, dtype and chunks (index, offset, size, crc32, the devices holding it).
+
+Cost on the loop thread: waiting for the step to finish and one device-to-host copy of the
+process's shards (`blocked_s` of the `local_checkpoint_saved` event, booked by `jaxtrain goodput`
+as checkpoint time); checksums, file writes, the replica and retention run in one background
+thread. A save waits for the previous local write only if it is still running.
+
+The replica: on one machine (the `jaxtrain launch` jobs the tests run) the peer's folder is visible,
+so the writer thread writes the replica into it directly: the bytes a peer host would hold, at the
+same point of the commit protocol. Across hosts with private local disks this needs a transfer to
+the peer (not built: see docs/checkpoint.md); `checkpoint.local_dir` on storage every host can see
+works as is.
+
+Restore (`plan`, then `restore`; both collective): every process first reads its machine's
+`tier.json` (process 0 decides on all views; a machine without one, a replacement node, has no say):
+a different process count or mesh means no process folder is read at all (an isolated slot's files stay
+untouched) and each process clears its own stale folder. Otherwise every process publishes the
+steps committed in its folder (own and replicas held) through the coordination service; process 0
+picks the newest step committed for every process (own copy or a peer's) and newer than the newest
+persistent checkpoint, and says where each process reads it. Each process checks the manifest
+against its shardings, reads its chunks, verifies each crc32 and builds its arrays with
+`jax.make_array_from_single_device_arrays`; a failure on any process makes every process return
+None (the caller restores the persistent tier).
+
+Orbax's `experimental.emergency` CheckpointManager is not used: it is built around replica groups
+across slices (a persistent checkpoint of one replica, local ones of the others, restored by
+broadcasting from a healthy replica slice), needs `jax.experimental` multi-slice meshes and a
+replica axis, and writes its own persistent tier, while here the persistent tier stays the
+Checkpointer's (commit marker, retention, rollbacks) and a job may have no replica axis at all
+(fsdp over every device): the peer copy is what makes a lost host recoverable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from jaxtrain.checkpoint.multihost import barrier, client as _client
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+DATA = "shards.bin"
+TIER = "tier.json"
+
+EventFn = Callable[..., None]
+
+
+def default_dir(output_dir: str) -> str:
+    """The local tier's folder for a run: under the system's temporary directory, one per run directory."""
+    key = hashlib.sha256(os.path.abspath(output_dir).encode() if "://" not in output_dir
+                         else output_dir.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "jaxtrain-local", key)
+
+
+def _name(path: Any) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _index(index: tuple, shape: tuple) -> list[list[int]]:
+    """A shard's index (tuple of slices) as [[start, stop], ...]."""
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def _mesh_shape(tree: Any) -> Optional[dict]:
+    for x in jax.tree.leaves(tree):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return {str(k): int(v) for k, v in mesh.shape.items()}
+    return None
+
+
+def _steps(folder: Path) -> list[int]:
+    """Committed steps in `folder` (names step-<N>, no .tmp), ascending."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit())
+
+
+def _write_file(path: Path, data: bytes | memoryview | list) -> None:
+    # No fsync: the tier is for a process that dies (its page cache survives it). A host that
+    # crashes before the kernel wrote the pages back leaves a short or garbled file, which the
+    # size and crc32 checks refuse (then the peer's copy or the persistent tier is used); an
+    # fsync per save cost more than the steps in between on a loaded disk.
+    with open(path, "wb") as f:
+        for chunk in (data if isinstance(data, list) else [data]):
+            f.write(chunk)
+
+
+@dataclasses.dataclass
+class Plan:
+    step: int
+    sources: dict[int, str]  # process -> "own" or "peer-<holder>"
+
+    @property
+    def source(self) -> str:
+        return "local" if all(v == "own" for v in self.sources.values()) else "peer"
+
+
+class LocalTier:
+    """One process's side of the local tier. Every method except `due` is called on every process,
+    in the same order; `plan` and `restore` are collective."""
+
+    _instances = itertools.count()
+
+    def __init__(self, cfg: Any, output_dir: str, *, on_event: Optional[EventFn] = None,
+                 timeout_s: Optional[float] = None):
+        self.every, self.keep = int(cfg.local_every_steps), int(cfg.local_keep)
+        self.root = Path(cfg.local_dir or default_dir(output_dir))
+        self.output_dir = output_dir
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.mine = self.root / f"process-{self.index}"
+        replicas = min(int(cfg.local_replicas), self.count - 1)
+        self.holders = [(self.index + k) % self.count for k in range(1, replicas + 1)]  # who keeps my shards
+        self.timeout_s = float(cfg.barrier_timeout_s if timeout_s is None else timeout_s)
+        self._on_event = on_event
+        self._uid = next(LocalTier._instances)
+        self._calls = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._last_write_s: Optional[float] = None
+        self.saves = 0
+        self.blocked_s: list[float] = []  # per save: the loop thread's time (benchmarks read it)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def save(self, step: int, state: Any, extra: dict) -> float:
+        """Copy this process's shards of `state` to the host and write them in the background.
+        Returns the seconds the caller was blocked (the copy; the wait for the step is `ready_s`)."""
+        t0 = time.perf_counter()
+        self._join()
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        host: list[tuple[str, Any, list]] = []  # (name, leaf, [(index, devices, np array)])
+        for path, leaf in leaves:
+            chunks: dict[tuple, list] = {}
+            for shard in leaf.addressable_shards:
+                key = tuple(map(tuple, _index(shard.index, leaf.shape)))
+                if key in chunks:
+                    chunks[key][1].append(shard.device.id)
+                else:
+                    chunks[key] = [key, [shard.device.id], np.array(shard.data, copy=True)]
+            host.append((_name(path), leaf, list(chunks.values())))
+        blocked = time.perf_counter() - t1
+        meta = {"format": FORMAT, "step": int(step), "process_index": self.index, "process_count": self.count,
+                "mesh": _mesh_shape(state), "unix_time": time.time(), "extra": extra,
+                "devices": sorted({d.id for d in jax.tree.leaves(state)[0].sharding.addressable_devices})}
+        self._write_tier(meta["mesh"])  # every process (one file per machine; the same on one machine)
+        previous_write_s = self._last_write_s  # read before the new write can set it
+        self._thread = threading.Thread(target=self._write, args=(step, host, meta), daemon=True,
+                                        name=f"jaxtrain-local-{step}")
+        self._thread.start()
+        self.saves += 1
+        self.blocked_s.append(blocked)
+        if self._on_event is not None and self.index == 0:
+            details = {"blocked_s": round(blocked, 5), "ready_s": round(t1 - t0, 5)}
+            if previous_write_s is not None:
+                details["previous_write_s"] = round(previous_write_s, 4)
+            self._on_event("local_checkpoint_saved", int(step), **details)
+        return blocked
+
+    def _write_tier(self, mesh: Optional[dict]) -> None:
+        want = {"format": FORMAT, "process_count": self.count, "mesh": mesh, "output_dir": self.output_dir}
+        path = self.root / TIER
+        try:
+            if json.loads(path.read_text()) == want:
+                return
+        except (OSError, ValueError):
+            pass
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{TIER}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(want))
+        os.replace(tmp, path)
+
+    def _write(self, step: int, host: list, meta: dict) -> None:
+        t = time.perf_counter()
+        try:
+            offset, leaves, buffers = 0, {}, []
+            for name, leaf, chunks in host:
+                entry = {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "chunks": []}
+                for key, devices, array in chunks:
+                    data = memoryview(np.ascontiguousarray(array)).cast("B")
+                    entry["chunks"].append({"index": [list(k) for k in key], "devices": sorted(devices),
+                                            "offset": offset, "nbytes": data.nbytes, "crc32": zlib.crc32(data)})
+                    buffers.append(data)
+                    offset += data.nbytes
+                leaves[name] = entry
+            meta = {**meta, "leaves": leaves, "bytes": offset}
+            manifest = json.dumps(meta).encode()
+            for folder in [self.mine] + [self.root / f"process-{h}" / f"peer-{self.index}" for h in self.holders]:
+                tmp, final = folder / f"step-{step}.tmp", folder / f"step-{step}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                _write_file(tmp / DATA, buffers)
+                _write_file(tmp / MANIFEST, manifest)
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)  # the commit
+                self._retain(folder)
+            self._last_write_s = time.perf_counter() - t
+        except BaseException as e:  # noqa: BLE001 - the local tier never stops training; reported next save
+            self._error = e
+
+    def _retain(self, folder: Path) -> None:
+        for s in _steps(folder)[:-self.keep]:
+            shutil.rmtree(folder / f"step-{s}", ignore_errors=True)
+        for n in os.listdir(folder):  # crashed writes of older steps
+            if n.endswith(".tmp") and n[5:-4].isdigit() and int(n[5:-4]) < max(_steps(folder) or [0]):
+                shutil.rmtree(folder / n, ignore_errors=True)
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if self._on_event is not None and self.index == 0:
+                self._on_event("local_checkpoint_failed", 0, error=f"{type(error).__name__}: {error}")
+            print(f"jaxtrain: a local checkpoint write failed on process {self.index}: "
+                  f"{type(error).__name__}: {error}", flush=True)
+
+    def wait(self) -> None:
+        self._join()
+
+    def discard_after(self, step: int) -> None:
+        """Delete this process's local steps (own and replicas held) newer than `step` (a rollback)."""
+        self._join()
+        for folder in [self.mine] + [self.mine / n for n in _listdir(self.mine) if n.startswith("peer-")]:
+            for s in _steps(folder):
+                if s > step:
+                    shutil.rmtree(folder / f"step-{s}", ignore_errors=True)
+
+    def clear(self) -> None:
+        """Delete this process's folder (process 0: and tier.json): a run that finished, or a stale tier."""
+        self._join()
+        shutil.rmtree(self.mine, ignore_errors=True)
+        try:
+            (self.root / TIER).unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            self.root.rmdir()  # the last one out removes the run's folder
+        except OSError:
+            pass
+
+    # -- coordination ---------------------------------------------------------------------
+
+    def _key(self, what: str) -> str:
+        return f"jaxtrain/local{self._uid}/{next(self._calls)}/{what}"
+
+    def _agree(self, what: str, decide: Callable[[], str]) -> str:
+        """Process 0 decides, everyone gets the answer (the key-value store; no device collective)."""
+        if self.count == 1:
+            return decide()
+        key = self._key(what)
+        if self.index == 0:
+            value = decide()
+            _client().key_value_set(key, value)
+            return value
+        return _client().blocking_key_value_get(key, max(1, int(self.timeout_s * 1000)))
+
+    def _gather(self, what: str, mine: str) -> list[str]:
+        """Every process's `mine`, in process order, on process 0 (others get [])."""
+        if self.count == 1:
+            return [mine]
+        key = self._key(what)
+        _client().key_value_set(f"{key}/{self.index}", mine)
+        barrier(key, self.timeout_s)
+        if self.index != 0:
+            return []
+        got = dict(_client().key_value_dir_get(f"{key}/"))
+        return [got[f"{key}/{p}"] for p in range(self.count)]
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def plan(self, persistent_step: Optional[int], abstract_state: Any) -> tuple[Optional[Plan], str]:
+        """Which local step to restore, and from where (collective). Returns (plan or None, reason)."""
+        mesh = _mesh_shape(abstract_state)
+
+        def check_tier() -> str:  # this machine's tier.json only: no process folder is opened
+            try:
+                tier = json.loads((self.root / TIER).read_text())
+            except FileNotFoundError:
+                return "none:no local checkpoints"
+            except (OSError, ValueError) as e:
+                return f"stale:tier.json unreadable ({type(e).__name__})"
+            if tier.get("process_count") != self.count:
+                return f"stale:written by {tier.get('process_count')} processes, now {self.count}"
+            if tier.get("mesh") != mesh:
+                return f"stale:written on mesh {tier.get('mesh')}, now {mesh}"
+            return "ok:"
+
+        # Every machine's view: any stale one makes the tier stale; a machine without one (a
+        # replacement node) has no say; none anywhere: no local checkpoints.
+        views = self._gather("tier", check_tier())
+
+        def decide_tier() -> str:
+            stale = [v for v in views if v.startswith("stale:")]
+            return stale[0] if stale else next((v for v in views if v.startswith("ok:")), views[0])
+
+        kind, _, reason = self._agree("tier", decide_tier).partition(":")
+        if kind != "ok":
+            if kind == "stale":  # nothing of it is read; each process clears its own folder
+                shutil.rmtree(self.mine, ignore_errors=True)
+            return None, reason
+        held = {n[5:]: _steps(self.mine / n) for n in _listdir(self.mine) if n.startswith("peer-") and n[5:].isdigit()}
+        listing = json.dumps({"own": _steps(self.mine), "held": held})
+        listings = self._gather("list", listing)
+
+        def decide() -> str:
+            parsed = [json.loads(x) for x in listings]
+            where: dict[int, dict[int, str]] = {p: {} for p in range(self.count)}  # process -> step -> source
+            for holder, entry in enumerate(parsed):
+                for owner, steps in entry["held"].items():
+                    if int(owner) < self.count:
+                        for s in steps:
+                            where[int(owner)].setdefault(s, f"peer-{holder}")
+            for p, entry in enumerate(parsed):
+                for s in entry["own"]:
+                    where[p][s] = "own"
+            common = set.intersection(*(set(w) for w in where.values())) if where else set()
+            if not common:
+                return json.dumps({"reason": "no local step complete on every process"})
+            if persistent_step is not None:
+                older = {s for s in common if s <= persistent_step}
+                common -= older
+                if not common:
+                    return json.dumps({"reason": f"no local step newer than the persistent step {persistent_step}"
+                                                 + (f" (local: {sorted(older)})" if older else "")})
+            step = max(common)
+            return json.dumps({"step": step, "sources": {str(p): where[p][step] for p in range(self.count)}})
+
+        decision = json.loads(self._agree("plan", decide))
+        if "step" not in decision:
+            return None, decision["reason"]
+        return Plan(decision["step"], {int(p): v for p, v in decision["sources"].items()}), ""
+
+    def restore(self, plan: Plan, abstract_state: Any) -> tuple[Optional[Any], dict, str]:
+        """Rebuild this process's part of step `plan.step` (collective). Returns (state, extra, "")
+        or (None, {}, reason) on every process when any process could not."""
+        source = plan.sources[self.index]
+        folder = (self.mine if source == "own" else
+                  self.root / f"process-{source[5:]}" / f"peer-{self.index}") / f"step-{plan.step}"
+        try:
+            state, extra = self._read(folder, plan.step, abstract_state)
+            mine = "ok"
+        except Exception as e:  # noqa: BLE001 - every process falls back together
+            state, extra, mine = None, {}, f"process {self.index} ({source} copy): {type(e).__name__}: {e}"
+        verdicts = self._gather("verify", mine)
+        verdict = self._agree("verdict", lambda: "; ".join(v for v in verdicts if v != "ok") or "ok")
+        if verdict != "ok":
+            return None, {}, verdict
+        return state, extra, ""
+
+    def _read(self, folder: Path, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        meta = json.loads((folder / MANIFEST).read_text())
+        if meta.get("format") != FORMAT or meta.get("step") != step or meta.get("process_count") != self.count:
+            raise ValueError(f"manifest of {folder} is for step {meta.get('step')} of "
+                             f"{meta.get('process_count')} processes")
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+        if meta.get("mesh") != _mesh_shape(abstract_state):
+            raise ValueError(f"saved on mesh {meta.get('mesh')}, restoring onto {_mesh_shape(abstract_state)}")
+        with open(folder / DATA, "rb") as f:
+            blob = f.read()
+        if len(blob) != meta["bytes"]:
+            raise ValueError(f"{folder / DATA} has {len(blob)} bytes, the manifest says {meta['bytes']}")
+        out = []
+        for path, leaf in leaves:
+            name = _name(path)
+            entry = meta["leaves"].get(name)
+            if entry is None or tuple(entry["shape"]) != tuple(leaf.shape) or entry["dtype"] != str(leaf.dtype):
+                raise ValueError(f"'{name}' differs: saved {entry and (entry['shape'], entry['dtype'])}, "
+                                 f"wanted {(list(leaf.shape), str(leaf.dtype))}")
+            by_index = {tuple(map(tuple, c["index"])): c for c in entry["chunks"]}
+            arrays = []
+            for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+                key = tuple(map(tuple, _index(index, leaf.shape)))
+                chunk = by_index.get(key)
+                if chunk is None:
+                    raise ValueError(f"'{name}': no saved shard {key} for device {device.id}")
+                data = memoryview(blob)[chunk["offset"]:chunk["offset"] + chunk["nbytes"]]
+                if zlib.crc32(data) != chunk["crc32"]:
+                    raise ValueError(f"'{name}' shard {key}: checksum mismatch")
+                shape = tuple(b - a for a, b in key)
+                host = np.frombuffer(data, dtype=leaf.dtype).reshape(shape).copy()  # owned: the step donates it
+                arrays.append(jax.device_put(host, device))
+            out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays))
+        return jax.tree_util.tree_unflatten(treedef, out), dict(meta.get("extra") or {})
+
+    def close(self) -> None:
+        self._join()
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
