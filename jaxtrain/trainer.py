@@ -230,6 +230,8 @@ class Trainer:
         self.local = (LocalTier(cfg.checkpoint, self.output_dir, on_event=self._event)
                       if write_files and cfg.checkpoint.local_every_steps > 0 else None)
         self.resume_source: str | None = None
+        if self.local is not None:
+            self.health.local_disk_path = str(self.local.root)  # node-local storage filling up
         if self.local is not None and self._restore_local(latest):
             return
         if latest is not None:

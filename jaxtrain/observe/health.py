@@ -6,7 +6,8 @@ Checks (each one a few system calls, on the loop thread, no device access):
   memory  host memory pressure: MemAvailable / MemTotal from /proc/meminfo (Linux); warns below
           MEMORY_WARN_RATIO.
   disk    free space of the run directory's file system (a local run.output_dir; object stores
-          have none to fill); warns below DISK_WARN_RATIO of it free.
+          have none to fill); warns below DISK_WARN_RATIO of it free. `local_disk`: the same for
+          checkpoint.local_dir when the local tier is on (node-local storage filling up).
   step    this process's own busy step time over the last `health_every_steps` against the median
           of the earlier checks' figures (a device or host getting slower); warns above
           STEP_WARN_RATIO, once enough history (MIN_HISTORY checks) is there.
@@ -66,6 +67,7 @@ class Health:
                  gpus: Any = None, gpu_note: str = ""):
         self.every, self.event = every, event
         self.disk_path = disk_path
+        self.local_disk_path: str | None = None  # checkpoint.local_dir, when the local tier is on
         self._memory, self._disk, self._matmul, self._gpus = memory, disk, matmul, gpus
         self._gpu_note = gpu_note
         self._busy: list[float] = []
@@ -92,11 +94,12 @@ class Health:
         if mem is not None and mem[1] > 0:
             values["host_memory_available_ratio"] = mem[0] / mem[1]
             warnings["memory"] = values["host_memory_available_ratio"] < MEMORY_WARN_RATIO
-        if self.disk_path is not None and os.path.isdir(self.disk_path):
-            usage = self._disk(self.disk_path)
-            values["disk_free_bytes"] = float(usage.free)
-            values["disk_free_ratio"] = usage.free / usage.total if usage.total else 1.0
-            warnings["disk"] = values["disk_free_ratio"] < DISK_WARN_RATIO
+        for check, path in (("disk", self.disk_path), ("local_disk", self.local_disk_path)):
+            if path is not None and os.path.isdir(path):
+                usage = self._disk(path)
+                values[f"{check}_free_bytes"] = float(usage.free)
+                values[f"{check}_free_ratio"] = usage.free / usage.total if usage.total else 1.0
+                warnings[check] = values[f"{check}_free_ratio"] < DISK_WARN_RATIO
         if self._busy:
             window = statistics.median(self._busy)
             self._busy = []

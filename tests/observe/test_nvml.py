@@ -182,3 +182,18 @@ def test_why_the_gpu_counters_are_off_is_said_once():
     h.check(1)
     h.check(2)
     assert events[0]["gpu_note"] == "GPU counters off: NVML: Library Not Found" and "gpu_note" not in events[1]
+
+
+def test_the_local_tier_disk_is_watched_beside_the_run_directory(tmp_path):
+    """checkpoint.local_dir's file system (the trainer sets local_disk_path when the tier is on)."""
+    from collections import namedtuple
+
+    Usage = namedtuple("Usage", "total used free")
+    usage = {str(tmp_path / "run"): Usage(100, 50, 50), str(tmp_path / "local"): Usage(100, 97, 3)}
+    for d in usage:
+        os.makedirs(d)
+    h = Health(1, lambda *a, **k: None, memory=lambda: None, disk_path=str(tmp_path / "run"), disk=usage.get)
+    assert h.check(1)["warnings"] == [] and "local_disk_free_ratio" not in h.values
+    h.local_disk_path = str(tmp_path / "local")
+    d = h.check(2)
+    assert d["warnings"] == ["local_disk"] and d["local_disk_free_ratio"] == 0.03 and d["disk_free_ratio"] == 0.5
