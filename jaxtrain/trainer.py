@@ -230,8 +230,6 @@ class Trainer:
         self.local = (LocalTier(cfg.checkpoint, self.output_dir, on_event=self._event)
                       if write_files and cfg.checkpoint.local_every_steps > 0 else None)
         self.resume_source: str | None = None
-        if self.local is not None:
-            self.health.local_disk_path = str(self.local.root)  # node-local storage filling up
         if self.local is not None and self._restore_local(latest):
             return
         if latest is not None:
@@ -522,10 +520,13 @@ class Trainer:
         platform = self.mesh.local_devices[0].platform
         if f.health_nvml == "always" or (f.health_nvml == "auto" and platform == "gpu"):
             gpus, note = Nvml.open()
-        return Health(f.health_every_steps, self._event,
-                      disk_path=None if is_remote(self.output_dir) else str(self.output_dir),
-                      matmul=local_matmul_check(list(self.mesh.local_devices)), gpus=gpus,
-                      gpu_note=f"GPU counters off: {note}" if note else "")
+        health = Health(f.health_every_steps, self._event,
+                        disk_path=None if is_remote(self.output_dir) else str(self.output_dir),
+                        matmul=local_matmul_check(list(self.mesh.local_devices)), gpus=gpus,
+                        gpu_note=f"GPU counters off: {note}" if note else "")
+        if getattr(self, "local", None) is not None:  # built by the restore, before the health check
+            health.local_disk_path = str(self.local.root)  # node-local storage filling up
+        return health
 
     def _preflight(self) -> bool:
         """The health check of a multi-process job (fault.preflight); False: stop (exit 75)."""
