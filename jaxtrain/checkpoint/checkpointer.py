@@ -162,7 +162,9 @@ def all_finite(tree: Any) -> bool:
     return bool(np.asarray(out.addressable_data(0)))
 
 
-def _mesh_shape(tree: Any) -> Optional[dict]:
+def mesh_shape(tree: Any) -> Optional[dict]:
+    """{axis: size} of the mesh the first sharded leaf of `tree` lives on (None: no mesh); both
+    checkpoint tiers record it to refuse a restore onto another mesh."""
     for x in jax.tree.leaves(tree):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
         if mesh is not None:
@@ -384,7 +386,7 @@ class Checkpointer:
             self._drain_events()
             return False
         meta = {"format": FORMAT, "step": int(step), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"), "unix_time": time.time(), "mesh": _mesh_shape(state),
+            timespec="seconds"), "unix_time": time.time(), "mesh": mesh_shape(state),
             "process_count": jax.process_count(), "jaxtrain_version": _version(), "jax_version": jax.__version__}
         self._orbax.save(folder, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), extra=ocp.args.JsonSave(dict(extra or {}))))

@@ -67,6 +67,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxtrain.checkpoint.checkpointer import mesh_shape
 from jaxtrain.checkpoint.multihost import barrier, client as _client
 
 FORMAT = 1
@@ -99,14 +100,6 @@ def _name(path: Any) -> str:
 def _index(index: tuple, shape: tuple) -> list[list[int]]:
     """A shard's index (tuple of slices) as [[start, stop], ...]."""
     return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
-
-
-def _mesh_shape(tree: Any) -> Optional[dict]:
-    for x in jax.tree.leaves(tree):
-        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-        if mesh is not None:
-            return {str(k): int(v) for k, v in mesh.shape.items()}
-    return None
 
 
 def _steps(folder: Path) -> list[int]:
@@ -188,7 +181,7 @@ class LocalTier:
             host.append((_name(path), leaf, list(chunks.values())))
         blocked = time.perf_counter() - t1
         meta = {"format": FORMAT, "step": int(step), "process_index": self.index, "process_count": self.count,
-                "mesh": _mesh_shape(state), "unix_time": time.time(), "extra": extra,
+                "mesh": mesh_shape(state), "unix_time": time.time(), "extra": extra,
                 "devices": sorted({d.id for d in jax.tree.leaves(state)[0].sharding.addressable_devices})}
         self._write_tier(meta["mesh"])  # every process (one file per machine; the same on one machine)
         previous_write_s = self._last_write_s  # read before the new write can set it
@@ -319,7 +312,7 @@ class LocalTier:
 
     def plan(self, persistent_step: Optional[int], abstract_state: Any) -> tuple[Optional[Plan], str]:
         """Which local step to restore, and from where (collective). Returns (plan or None, reason)."""
-        mesh = _mesh_shape(abstract_state)
+        mesh = mesh_shape(abstract_state)
 
         def check_tier() -> str:  # this machine's tier.json only: no process folder is opened
             try:
@@ -402,8 +395,8 @@ class LocalTier:
             raise ValueError(f"manifest of {folder} is for step {meta.get('step')} of "
                              f"{meta.get('process_count')} processes")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-        if meta.get("mesh") != _mesh_shape(abstract_state):
-            raise ValueError(f"saved on mesh {meta.get('mesh')}, restoring onto {_mesh_shape(abstract_state)}")
+        if meta.get("mesh") != mesh_shape(abstract_state):
+            raise ValueError(f"saved on mesh {meta.get('mesh')}, restoring onto {mesh_shape(abstract_state)}")
         with open(folder / DATA, "rb") as f:
             blob = f.read()
         if len(blob) != meta["bytes"]:
