@@ -18,8 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, fsync_tree, is_local, latest_good, list_files,
-                                        scan, to_path, write_atomic)
+from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, forget_listings, fsync_tree, is_local,
+                                        latest_good, list_files, scan, to_path, write_atomic)
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client as _client
 from jaxtrain.checkpoint.storage import TransientStorageError, check_access, is_transient, split_url
 from jaxtrain.config import CheckpointConfig, ConfigError
@@ -604,6 +604,7 @@ class Checkpointer:
 def _resolve_folder(path: str) -> epath.Path:
     """A `<step>/` folder from a step folder, a checkpoints/ folder or a run directory."""
     p = to_path(path)
+    forget_listings(p)
     if (p / MARKER).exists():
         return p
     root = p / "checkpoints" if (p / "checkpoints").exists() else p

@@ -12,6 +12,7 @@ import sys
 from typing import Callable, Collection, Optional
 
 from etils import epath
+from etils.epath import backend as epath_backend
 
 from jaxtrain.arguments import Parser
 from jaxtrain.checkpoint.paths import is_remote
@@ -56,17 +57,21 @@ def list_files(folder: epath.Path) -> dict[str, int]:
     return files
 
 
-def _fresh(path: str | os.PathLike) -> None:
+def forget_listings(path: str | os.PathLike) -> None:
     """Drop fsspec's cached listings before looking at a remote folder: gcsfs and s3fs cache
-    them per process, and tensorstore (the arrays) and other processes write behind their back."""
-    if not is_local(os.fspath(path)):
-        filesystem(os.fspath(path)).invalidate_cache()
+    them per process, and tensorstore (the arrays) and other processes write behind their back.
+    Both instances: epath makes its own gcsfs (other arguments, so another instance and cache),
+    and a bucket listing it cached earlier hides every folder made since."""
+    text = os.fspath(path)
+    if not is_local(text):
+        filesystem(text).invalidate_cache()
+        epath_backend.fsspec_backend.fs(text).invalidate_cache()
 
 
 def _list_objects(url: str) -> dict[str, int]:
     # One recursive listing instead of a walk folder by folder: object stores have no folders,
     # and a listing is one request per 1000 objects. (epath's walk also breaks on s3fs.)
-    _fresh(url)
+    forget_listings(url)
     fs = filesystem(url)
     root = fs._strip_protocol(url).rstrip("/") + "/"
     files = {}
@@ -110,7 +115,7 @@ def write_atomic(path: epath.Path, text: str) -> None:
 
 def scan(root: epath.Path) -> list[tuple[int, epath.Path, bool]]:
     """(step, folder, is_orbax_temporary) for every checkpoint-like folder, oldest first."""
-    _fresh(root)
+    forget_listings(root)
     if not root.exists():
         return []
     found = []
@@ -133,7 +138,7 @@ def check_checkpoint(folder: str | epath.Path) -> tuple[bool, Optional[str], Opt
     """
     folder = to_path(folder)
     marker = folder / MARKER
-    _fresh(folder)
+    forget_listings(folder)
     if not marker.exists():
         return False, "no commit marker (the write never finished)", None
     try:
@@ -221,6 +226,7 @@ def main(argv: list[str]) -> int:
         print(f"jaxtrain checkpoints: {e}", file=sys.stderr)
         return EXIT_USAGE
     root = to_path(args.directory)
+    forget_listings(root)
     if (root / "checkpoints").exists():
         root = root / "checkpoints"
     elif not root.exists():

@@ -84,9 +84,11 @@ def _restore_params(run_dir: str, cfg: Config, step: Optional[int]) -> tuple[dic
 
     root = to_path(join(run_dir, "checkpoints"))
     if step is None:
-        step = latest_good(root)
+        damaged: list[str] = []
+        step = latest_good(root, report=lambda s, reason: damaged.append(f"step {s}: {reason}"))
         if step is None:
-            raise ConfigError(f"'{run_dir}' holds no committed checkpoint (looked in {root})")
+            why = f"; {', '.join(damaged)}" if damaged else ""
+            raise ConfigError(f"'{run_dir}' holds no committed checkpoint (looked in {root}{why})")
     else:
         good, reason, _ = check_checkpoint(root / str(step))
         if not good:

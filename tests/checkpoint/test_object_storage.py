@@ -534,6 +534,14 @@ def test_export_hf_reads_a_run_directory_in_a_bucket(servers, scheme, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "src"]
     assert not objects(f"{scheme}://{BUCKET}/exported")
 
+    # A run whose only checkpoint lost a file: the one line says which step and why.
+    fs = storage.filesystem(url)
+    fs.rm([f for f in fs.find(f"{url}/checkpoints/0") if not f.endswith("commit.json")][0])
+    assert cli.main(["export-hf", url, "--output", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds no committed checkpoint" in err and "step 0: file " in err, err
+    assert not (tmp_path / "y").exists()
+
 
 @pytest.mark.slow
 def test_export_hf_of_a_run_trained_into_the_bucket(resumed, tmp_path):
@@ -571,3 +579,36 @@ def test_two_processes_save_to_the_bucket_and_one_restores(servers, scheme):
     assert ck.latest_step() == 7
     state, extra = ck.restore(7, abstract(host_state(0), mesh_of(1, 1, 1)))
     assert matches(state, host_state(seed=7)) and extra == {"from": "2x4"}
+
+
+@pytest.mark.parametrize("reader", ["latest_good", "checkpoints_cli", "init_from"])
+@pytest.mark.parametrize("scheme", BACKENDS)
+def test_a_listing_cached_before_another_writer_commits_does_not_hide_the_checkpoint(servers, scheme, reader,
+                                                                                       tmp_path, capsys):
+    """epath keeps fsspec filesystems of its own (gcsfs with other arguments than jaxtrain's, so
+    another instance and another listing cache): a folder looked at through epath before another
+    writer (tensorstore, another process, `gsutil cp`) put a checkpoint there must still show it,
+    to each reader of a run directory. CI once exported from a bucket folder whose bucket epath had
+    listed earlier: 'no committed checkpoint'."""
+    from jaxtrain.checkpoint import layout
+    from jaxtrain.checkpoint.checkpointer import _resolve_folder
+    run = f"{scheme}://{BUCKET}/listed-early-{reader}"
+    root = layout.to_path(f"{run}/checkpoints")
+    storage.filesystem(run).pipe(f"{run}-sibling/a", b"1")  # (an empty listing is not cached)
+    assert not root.exists() and not layout.to_path(run).exists()
+    list(layout.to_path(f"{scheme}://{BUCKET}").iterdir())  # epath caches the bucket's listing
+    local = tmp_path / "7"
+    local.mkdir()
+    (local / "a.bin").write_bytes(b"x" * 5)
+    (local / layout.MARKER).write_text(json.dumps({"format": layout.FORMAT, "step": 7, "files": {"a.bin": 5}}))
+    copy_to_bucket(local, f"{root}/7")
+    if reader == "latest_good":
+        assert layout.latest_good(root) == 7
+        assert layout.list_files(root / "7") == {"a.bin": 5}
+    elif reader == "checkpoints_cli":
+        capsys.readouterr()
+        assert layout.main([run, "--json"]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # JSON lines
+        assert [(row["step"], row["valid"]) for row in rows] == [(7, True)]
+    else:
+        assert str(_resolve_folder(run)) == f"{root}/7"
