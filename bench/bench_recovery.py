@@ -12,7 +12,8 @@ Three runs of `jaxtrain launch --num-processes 2 --cpu-devices 1` on configs/tin
 Targets (issue #11): detection within T + 5 s; kill -> first step under 2x the cold start.
 
 --local-tier [--kills 5] instead compares the local checkpoint tier (issue #23): the same job, 100 steps,
-persistent checkpoints every 50 steps, with `checkpoint.local_every_steps=2` and without, each killed
+persistent checkpoints every 50 steps, with `checkpoint.local_every_steps=2` (one local_dir for the
+machine, and one per process, `{process}`: the replicas then go over TCP) and without, each killed
 (chaos.kill_at_step, process 0, which logs the drill) at --kills random steps in 52..99 (the same steps for both) and
 restarted once: steps re-done per kill (kill step - restored step), kill -> first completed step
 after the restart, and the loop thread's time blocked per local save (`local_checkpoint_saved.
@@ -71,11 +72,14 @@ def local_tier(kills: int, seed: int) -> dict:
         tmp = Path(tmp)
         cache = tmp / "cache"
         launch(tmp / "warm", cache, "train.steps=3")  # the compilation cache, for every run alike
-        for name, extra in (("persistent_only", []), ("local_every_2", ["checkpoint.local_every_steps=2"])):
+        # private_disks: a local_dir for each process ({process}), so the replica goes over TCP to the
+        # peer's replica server, as between hosts with private local disks
+        for name, extra, disk in (("persistent_only", [], ""), ("local_every_2", ["checkpoint.local_every_steps=2"], ""),
+                                  ("local_every_2_private_disks", ["checkpoint.local_every_steps=2"], "/host-{process}")):
             redone, kill_to_step, blocked, ready, step_s = [], [], [], [], []
             for i, k in enumerate(steps):
                 run = tmp / f"{name}{i}"
-                launch(run, cache, *base, *extra, f"checkpoint.local_dir={tmp / 'local' / str(i)}",
+                launch(run, cache, *base, *extra, f"checkpoint.local_dir={tmp / 'local' / name / str(i)}{disk}",
                        f"chaos.kill_at_step={k}", restarts=1)
                 events = jsonl(run / "events.jsonl")
                 killed = next(e["time"] for e in events if e["kind"] == "chaos")

@@ -212,10 +212,15 @@ class CheckpointConfig:
     # 0 = off. Never uploaded; deleted at the end of a run that finished.
     local_every_steps: int = 0
     # Node-local storage (a local SSD or /dev/shm), never the shared run directory. null: a folder per
-    # run under the system's temporary directory. Processes keep apart under <local_dir>/process-<index>/.
+    # run under the system's temporary directory. Processes keep apart under <local_dir>/process-<index>/;
+    # "{process}" in the path becomes the process index: a folder (a disk) for each process.
     local_dir: Optional[str] = None
     local_keep: int = 2  # local steps kept per process (and per replica held)
     local_replicas: int = 1  # peer processes that also keep each process's shards (0: none; on 1 process: none)
+    # How a replica reaches its holder: "auto" writes into the holder's folder when it is this process's
+    # too (same host, same local_dir) and sends it over TCP otherwise (private disks); "files" always
+    # writes (local_dir on storage every host sees); "network" always sends.
+    local_transfer: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -668,12 +673,14 @@ def validate(cfg: Config) -> None:
     if c.local_every_steps < 0 or c.local_replicas < 0 or c.local_keep < 1:
         raise ConfigError("checkpoint.local_every_steps and checkpoint.local_replicas must be >= 0 and "
                           f"checkpoint.local_keep >= 1, got {c.local_every_steps}, {c.local_replicas}, {c.local_keep}")
+    if c.local_transfer not in ("auto", "files", "network"):
+        raise ConfigError(f"checkpoint.local_transfer must be auto, files or network, got '{c.local_transfer}'")
     if c.local_every_steps > 0 and c.local_dir is not None:
         if "://" in c.local_dir:
             raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' must be a node-local path (a local SSD or "
                               "/dev/shm), not a URL: the local tier is never uploaded")
         if "://" not in cfg.run.output_dir:
-            local, run = Path(c.local_dir).resolve(), Path(cfg.run.output_dir).resolve()
+            local, run = Path(c.local_dir.replace("{process}", "0")).resolve(), Path(cfg.run.output_dir).resolve()
             if local == run or run in local.parents:
                 raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' is inside run.output_dir: the local tier "
                                   "belongs on node-local storage, not in the shared run directory")

@@ -24,11 +24,13 @@ process's shards (`blocked_s` of the `local_checkpoint_saved` event, booked by `
 as checkpoint time); checksums, file writes, the replica and retention run in one background
 thread. A save waits for the previous local write only if it is still running.
 
-The replica: on one machine (the `jaxtrain launch` jobs the tests run) the peer's folder is visible,
-so the writer thread writes the replica into it directly: the bytes a peer host would hold, at the
-same point of the commit protocol. Across hosts with private local disks this needs a transfer to
-the peer (not built: see docs/checkpoint.md); `checkpoint.local_dir` on storage every host can see
-works as is.
+The replica (`checkpoint.local_transfer`): where the holder's folder is this process's too (same
+host name and same `local_dir`: processes that share a machine), the writer thread writes the
+replica into it directly ("files"). Otherwise (another host, private local disks; or "network",
+forced) it goes over TCP to the holder's replica server (checkpoint/replica_transfer.py), which
+checks every chunk's crc32 against the manifest and then commits it by the same rename; a restart
+whose own copy is gone reads it back from there. `local_dir` may hold `{process}`, for a disk
+per process (and so that processes of one machine stand for hosts with private disks in tests).
 
 Restore (`plan`, then `restore`; both collective): every process first reads its machine's
 `tier.json` (process 0 decides on all views; a machine without one, a replacement node, has no say):
@@ -57,6 +59,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -67,6 +70,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxtrain.checkpoint import replica_transfer
 from jaxtrain.checkpoint.checkpointer import mesh_shape
 from jaxtrain.checkpoint.multihost import barrier, client as _client
 
@@ -140,13 +144,15 @@ class LocalTier:
     def __init__(self, cfg: Any, output_dir: str, *, on_event: Optional[EventFn] = None,
                  timeout_s: Optional[float] = None):
         self.every, self.keep = int(cfg.local_every_steps), int(cfg.local_keep)
-        self.root = Path(cfg.local_dir or default_dir(output_dir))
-        self.output_dir = output_dir
         self.index, self.count = jax.process_index(), jax.process_count()
+        self.root = Path((cfg.local_dir or default_dir(output_dir)).replace("{process}", str(self.index)))
+        self.output_dir = output_dir
         self.mine = self.root / f"process-{self.index}"
         replicas = min(int(cfg.local_replicas), self.count - 1)
         self.holders = [(self.index + k) % self.count for k in range(1, replicas + 1)]  # who keeps my shards
+        self.held_for = {(self.index - k) % self.count for k in range(1, replicas + 1)}  # whose shards I keep
         self.timeout_s = float(cfg.barrier_timeout_s if timeout_s is None else timeout_s)
+        self.transfer = str(getattr(cfg, "local_transfer", "auto"))
         self._on_event = on_event
         self._uid = next(LocalTier._instances)
         self._calls = itertools.count()
@@ -155,6 +161,30 @@ class LocalTier:
         self._last_write_s: Optional[float] = None
         self.saves = 0
         self.blocked_s: list[float] = []  # per save: the loop thread's time (benchmarks read it)
+        self._server: Optional[replica_transfer.ReplicaServer] = None
+        self._commit_lock = threading.Lock()  # the server's threads commit replicas beside the writer
+        self._token = ""
+        self.remote: dict[int, tuple[str, int]] = {}  # holder -> its server's address, when over the network
+        if replicas > 0 and self.transfer != "files":
+            self._start_server()
+
+    def _start_server(self) -> None:
+        """Serve the replicas this process holds, publish where, and learn each holder's place: a
+        holder on another host (or with another local_dir) is reached over the network."""
+        prefix, ms = f"jaxtrain/local{self._uid}", max(1, int(self.timeout_s * 1000))
+        if self.index == 0:
+            self._token = replica_transfer.new_token()
+            _client().key_value_set(f"{prefix}/token", self._token)
+        else:
+            self._token = _client().blocking_key_value_get(f"{prefix}/token", ms)
+        self._server = replica_transfer.ReplicaServer(self._token, self._receive, self._send_back,
+                                                      timeout_s=self.timeout_s)
+        here = {"host": socket.gethostname(), "port": self._server.port, "root": str(self.root.resolve())}
+        _client().key_value_set(f"{prefix}/peer/{self.index}", json.dumps(here))
+        for h in self.holders:
+            peer = json.loads(_client().blocking_key_value_get(f"{prefix}/peer/{h}", ms))
+            if self.transfer == "network" or (peer["host"], peer["root"]) != (here["host"], here["root"]):
+                self.remote[h] = (peer["host"], int(peer["port"]))
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -225,18 +255,50 @@ class LocalTier:
                 leaves[name] = entry
             meta = {**meta, "leaves": leaves, "bytes": offset}
             manifest = json.dumps(meta).encode()
-            for folder in [self.mine] + [self.root / f"process-{h}" / f"peer-{self.index}" for h in self.holders]:
-                tmp, final = folder / f"step-{step}.tmp", folder / f"step-{step}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                _write_file(tmp / DATA, buffers)
-                _write_file(tmp / MANIFEST, manifest)
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)  # the commit
-                self._retain(folder)
+            self._commit(self.mine, step, manifest, buffers)
+            for h in self.holders:
+                if h in self.remote:  # returns once the holder verified and committed it
+                    replica_transfer.put(self.remote[h], self._token, self.index, step, manifest, buffers,
+                                         self.timeout_s)
+                else:
+                    self._commit(self.root / f"process-{h}" / f"peer-{self.index}", step, manifest, buffers)
             self._last_write_s = time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001 - the local tier never stops training; reported next save
             self._error = e
+
+    def _commit(self, folder: Path, step: int, manifest: bytes, buffers: list) -> None:
+        """Write one copy of `step` into `folder`: visible only complete (the rename), then retention."""
+        tmp, final = folder / f"step-{step}.tmp", folder / f"step-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _write_file(tmp / DATA, buffers)
+        _write_file(tmp / MANIFEST, manifest)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # the commit
+        self._retain(folder)
+
+    def _receive(self, owner: int, step: int, manifest: bytes, data: memoryview) -> None:
+        """A peer's replica from the network (the server's thread): checked, then committed."""
+        if owner not in self.held_for:
+            raise ValueError(f"process {self.index} keeps the replicas of {sorted(self.held_for)}, not of {owner}")
+        meta = json.loads(manifest)
+        if (meta.get("format"), meta.get("step"), meta.get("process_index"), meta.get("process_count")) != \
+                (FORMAT, step, owner, self.count):
+            raise ValueError(f"manifest is for step {meta.get('step')} of process {meta.get('process_index')} "
+                             f"of {meta.get('process_count')}")
+        if meta.get("bytes") != data.nbytes:
+            raise ValueError(f"{data.nbytes} bytes arrived, the manifest says {meta.get('bytes')}")
+        for name, entry in meta["leaves"].items():
+            for c in entry["chunks"]:
+                if zlib.crc32(data[c["offset"]:c["offset"] + c["nbytes"]]) != c["crc32"]:
+                    raise ValueError(f"'{name}' shard {c['index']}: checksum mismatch")
+        with self._commit_lock:
+            self._commit(self.mine / f"peer-{owner}", step, manifest, [data])
+
+    def _send_back(self, owner: int, step: int) -> tuple[bytes, bytes]:
+        """The replica of `owner`'s `step` this process holds (the server's thread), for a restore."""
+        folder = self.mine / f"peer-{owner}" / f"step-{step}"
+        return (folder / MANIFEST).read_bytes(), (folder / DATA).read_bytes()
 
     def _retain(self, folder: Path) -> None:
         for s in _steps(folder)[:-self.keep]:
@@ -259,9 +321,15 @@ class LocalTier:
     def wait(self) -> None:
         self._join()
 
+    def _settle(self, what: str) -> None:
+        """Every process's writes done, replicas sent over the network included, before deleting."""
+        self._join()
+        if self._server is not None:
+            barrier(self._key(what), self.timeout_s)
+
     def discard_after(self, step: int) -> None:
         """Delete this process's local steps (own and replicas held) newer than `step` (a rollback)."""
-        self._join()
+        self._settle("discard")
         for folder in [self.mine] + [self.mine / n for n in _listdir(self.mine) if n.startswith("peer-")]:
             for s in _steps(folder):
                 if s > step:
@@ -269,7 +337,8 @@ class LocalTier:
 
     def clear(self) -> None:
         """Delete this process's folder (process 0: and tier.json): a run that finished, or a stale tier."""
-        self._join()
+        self._settle("clear")
+        self._close_server()
         shutil.rmtree(self.mine, ignore_errors=True)
         try:
             (self.root / TIER).unlink()
@@ -376,10 +445,17 @@ class LocalTier:
         """Rebuild this process's part of step `plan.step` (collective). Returns (state, extra, "")
         or (None, {}, reason) on every process when any process could not."""
         source = plan.sources[self.index]
-        folder = (self.mine if source == "own" else
-                  self.root / f"process-{source[5:]}" / f"peer-{self.index}") / f"step-{plan.step}"
+        holder = None if source == "own" else int(source[5:])
+        folder = (self.mine if holder is None else
+                  self.root / f"process-{holder}" / f"peer-{self.index}") / f"step-{plan.step}"
         try:
-            state, extra = self._read(folder, plan.step, abstract_state)
+            if holder in self.remote:  # the holder's disk is its own: its server sends the replica back
+                manifest, blob = replica_transfer.get(self.remote[holder], self._token, self.index, plan.step,
+                                                      self.timeout_s)
+                where = f"process {holder}'s replica"
+            else:
+                manifest, blob, where = (folder / MANIFEST).read_bytes(), (folder / DATA).read_bytes(), str(folder)
+            state, extra = self._rebuild(manifest, blob, where, plan.step, abstract_state)
             mine = "ok"
         except Exception as e:  # noqa: BLE001 - every process falls back together
             state, extra, mine = None, {}, f"process {self.index} ({source} copy): {type(e).__name__}: {e}"
@@ -389,18 +465,19 @@ class LocalTier:
             return None, {}, verdict
         return state, extra, ""
 
-    def _read(self, folder: Path, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        meta = json.loads((folder / MANIFEST).read_text())
-        if meta.get("format") != FORMAT or meta.get("step") != step or meta.get("process_count") != self.count:
-            raise ValueError(f"manifest of {folder} is for step {meta.get('step')} of "
-                             f"{meta.get('process_count')} processes")
+    def _rebuild(self, manifest: bytes, blob: bytes | bytearray, where: str, step: int,
+                 abstract_state: Any) -> tuple[Any, dict]:
+        """This process's arrays of `step` from one copy's manifest and data, every chunk checked."""
+        meta = json.loads(manifest)
+        if (meta.get("format") != FORMAT or meta.get("step") != step or meta.get("process_count") != self.count
+                or meta.get("process_index") != self.index):
+            raise ValueError(f"manifest of {where} is for step {meta.get('step')} of process "
+                             f"{meta.get('process_index')} of {meta.get('process_count')}")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
         if meta.get("mesh") != mesh_shape(abstract_state):
             raise ValueError(f"saved on mesh {meta.get('mesh')}, restoring onto {mesh_shape(abstract_state)}")
-        with open(folder / DATA, "rb") as f:
-            blob = f.read()
         if len(blob) != meta["bytes"]:
-            raise ValueError(f"{folder / DATA} has {len(blob)} bytes, the manifest says {meta['bytes']}")
+            raise ValueError(f"{where} has {len(blob)} bytes, the manifest says {meta['bytes']}")
         out = []
         for path, leaf in leaves:
             name = _name(path)
@@ -424,8 +501,14 @@ class LocalTier:
             out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays))
         return jax.tree_util.tree_unflatten(treedef, out), dict(meta.get("extra") or {})
 
+    def _close_server(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
     def close(self) -> None:
         self._join()
+        self._close_server()
 
 
 def _listdir(folder: Path) -> list[str]:

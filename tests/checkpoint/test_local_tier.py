@@ -4,7 +4,9 @@ In-process: round trip of one process's shards, the commit by rename, retention,
 corrupted copy, of another mesh and of a step not newer than the persistent one. Multi-process
 (`jaxtrain launch`, 2 processes over gloo): kill -9 resumes from the local tier (own copy, then the
 peer's copy of a lost slot's directory) bitwise; both copies gone or a damaged copy -> the
-persistent tier; isolation onto fewer processes reads nothing of the local tier.
+persistent tier; isolation onto fewer processes reads nothing of the local tier. Three processes
+with a private disk each (`local_dir=.../host-{process}`): the replicas go over the network,
+and a lost host's shards come back from its peer over the network, bitwise.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ def test_config_keys_default_off_and_are_checked(tmp_path):
                            f"checkpoint.local_dir={tmp_path}/local"])
     with pytest.raises(ConfigError, match="local_keep"):
         load_config(TINY, ["checkpoint.local_every_steps=2", "checkpoint.local_keep=0"])
+    assert c.checkpoint.local_transfer == "auto"
+    with pytest.raises(ConfigError, match="local_transfer must be auto, files or network"):
+        load_config(TINY, ["checkpoint.local_transfer=nfs"])
+    with pytest.raises(ConfigError, match="inside run.output_dir"):  # {process} does not hide it
+        load_config(TINY, [f"run.output_dir={tmp_path}", "checkpoint.local_every_steps=2",
+                           f"checkpoint.local_dir={tmp_path}/disk-{{process}}"])
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -266,3 +274,45 @@ def test_isolation_continues_on_fewer_processes_from_the_persistent_tier(tmp_pat
     assert "2 processes, now 1" in fallback["reason"], fallback
     assert events[-1]["kind"] == "done" and events[-1]["step"] == STEPS
     assert (local / "process-1" / "step-6").is_dir() and not (local / "process-0").exists()
+
+
+THREE = ["data.global_batch_size=6"]  # a batch that splits over 3 processes
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_three(tmp_path_factory, child_env) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("whole3")
+    r = launch(child_env, tmp / "run", tmp / "disk-{process}", f"train.steps={STEPS}",
+               "checkpoint.every_steps=50", *THREE, processes=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list(tmp.glob("disk-*"))  # each process deleted its disk's tier at the end
+    return losses(tmp / "run")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_three_hosts_with_private_disks_get_a_lost_hosts_shards_back_over_the_network(tmp_path, child_env,
+                                                                                      uninterrupted_three):
+    """Each of 3 processes has a local disk of its own (`{process}` in local_dir): what each
+    disk holds is its own process's folder only, the replicas having gone over TCP to the holder
+    ((i + 1) % 3). Process 1 is killed after step 8 and its disk is gone (a replacement node); the
+    job restarts, process 1 fetches step 6 from process 2's replica server (source peer) and the run
+    ends with the uninterrupted 3-process losses, bitwise; the disks are empty at the end."""
+    out, disks = tmp_path / "run", tmp_path / "disks"
+    local = f"{disks}/host-{{process}}"
+    common = [f"train.steps={STEPS}", "checkpoint.every_steps=50", *THREE]
+    r = launch(child_env, out, Path(local), *common, "chaos.kill_at_step=8", "chaos.kill_process=1", processes=3)
+    assert r.returncode != 0
+    for i in range(3):
+        assert sorted(os.listdir(disks / f"host-{i}")) == [f"process-{i}", "tier.json"], i
+        held = set(os.listdir(disks / f"host-{i}" / f"process-{i}"))  # (the others may have saved step 8)
+        assert {f"peer-{(i - 1) % 3}", "step-6"} <= held and all(n.startswith(("peer-", "step-")) for n in held), held
+    held = disks / "host-2" / "process-2" / "peer-1" / "step-6"
+    assert (held / "shards.bin").read_bytes() == (disks / "host-1" / "process-1" / "step-6" / "shards.bin").read_bytes()
+    shutil.rmtree(disks / "host-1")
+    r = launch(child_env, out, Path(local), *common, processes=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    e = resume(out)
+    assert e["source"] == "peer" and e["restored_step"] == 6, e
+    assert losses(out) == uninterrupted_three
+    assert sorted(os.listdir(disks)) == []
