@@ -221,6 +221,11 @@ class CheckpointConfig:
     # too (same host, same local_dir) and sends it over TCP otherwise (private disks); "files" always
     # writes (local_dir on storage every host sees); "network" always sends.
     local_transfer: str = "auto"
+    # What a local save blocks on: "device" dispatches an on-device copy of the state and returns (the
+    # writer thread reads the copy to the host; one more state share of device memory meanwhile);
+    # "host" waits for the step and copies to the host on the loop thread; "auto": device on the CPU
+    # (its device memory is host memory), host on accelerators, where that memory is scarce.
+    local_snapshot: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -673,6 +678,8 @@ def validate(cfg: Config) -> None:
     if c.local_every_steps < 0 or c.local_replicas < 0 or c.local_keep < 1:
         raise ConfigError("checkpoint.local_every_steps and checkpoint.local_replicas must be >= 0 and "
                           f"checkpoint.local_keep >= 1, got {c.local_every_steps}, {c.local_replicas}, {c.local_keep}")
+    if c.local_snapshot not in ("auto", "device", "host"):
+        raise ConfigError(f"checkpoint.local_snapshot must be auto, device or host, got '{c.local_snapshot}'")
     if c.local_transfer not in ("auto", "files", "network"):
         raise ConfigError(f"checkpoint.local_transfer must be auto, files or network, got '{c.local_transfer}'")
     if c.local_every_steps > 0 and c.local_dir is not None:

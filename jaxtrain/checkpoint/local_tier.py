@@ -153,6 +153,7 @@ class LocalTier:
         self.held_for = {(self.index - k) % self.count for k in range(1, replicas + 1)}  # whose shards I keep
         self.timeout_s = float(cfg.barrier_timeout_s if timeout_s is None else timeout_s)
         self.transfer = str(getattr(cfg, "local_transfer", "auto"))
+        self.snapshot = str(getattr(cfg, "local_snapshot", "auto"))
         self._on_event = on_event
         self._uid = next(LocalTier._instances)
         self._calls = itertools.count()
@@ -192,23 +193,19 @@ class LocalTier:
         return self.every > 0 and step > 0 and step % self.every == 0
 
     def save(self, step: int, state: Any, extra: dict) -> float:
-        """Copy this process's shards of `state` to the host and write them in the background.
-        Returns the seconds the caller was blocked (the copy; the wait for the step is `ready_s`)."""
+        """Take this process's shards of `state` and write them in the background. Returns the
+        seconds the caller was blocked: with the device snapshot, dispatching an on-device copy of
+        the state (no wait for the step: the next step may donate `state` at once); with the host
+        snapshot, the copy to the host after waiting for the step (the wait is `ready_s`)."""
         t0 = time.perf_counter()
         self._join()
-        jax.block_until_ready(state)
-        t1 = time.perf_counter()
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-        host: list[tuple[str, Any, list]] = []  # (name, leaf, [(index, devices, np array)])
-        for path, leaf in leaves:
-            chunks: dict[tuple, list] = {}
-            for shard in leaf.addressable_shards:
-                key = tuple(map(tuple, _index(shard.index, leaf.shape)))
-                if key in chunks:
-                    chunks[key][1].append(shard.device.id)
-                else:
-                    chunks[key] = [key, [shard.device.id], np.array(shard.data, copy=True)]
-            host.append((_name(path), leaf, list(chunks.values())))
+        if self._snapshot_on_device(state):
+            t1 = t0 = time.perf_counter()  # (the join is the previous write's, booked by it)
+            host = _copy_on_device(state)  # read to the host by the writer thread
+        else:
+            jax.block_until_ready(state)
+            t1 = time.perf_counter()
+            host = _host_chunks(state)
         blocked = time.perf_counter() - t1
         meta = {"format": FORMAT, "step": int(step), "process_index": self.index, "process_count": self.count,
                 "mesh": mesh_shape(state), "unix_time": time.time(), "extra": extra,
@@ -240,9 +237,16 @@ class LocalTier:
         tmp.write_text(json.dumps(want))
         os.replace(tmp, path)
 
-    def _write(self, step: int, host: list, meta: dict) -> None:
+    def _snapshot_on_device(self, state: Any) -> bool:
+        if self.snapshot == "auto":  # on the CPU the device's memory is the host's: the copy costs nothing more
+            return next(iter(jax.tree.leaves(state)[0].sharding.device_set)).platform == "cpu"
+        return self.snapshot == "device"
+
+    def _write(self, step: int, host: Any, meta: dict) -> None:
         t = time.perf_counter()
         try:
+            if not isinstance(host, list):  # the device snapshot: to the host here, off the loop thread
+                host = _host_chunks(host)
             offset, leaves, buffers = 0, {}, []
             for name, leaf, chunks in host:
                 entry = {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "chunks": []}
@@ -509,6 +513,28 @@ class LocalTier:
     def close(self) -> None:
         self._join()
         self._close_server()
+
+
+@jax.jit
+def _copy_on_device(state: Any) -> Any:
+    """A copy of `state` in new device buffers (inputs not donated: XLA cannot alias them), with
+    the same shardings; dispatched without waiting, it runs after the step that made `state`."""
+    return jax.tree.map(lambda x: x.copy(), state)
+
+
+def _host_chunks(state: Any) -> list[tuple[str, Any, list]]:
+    """(name, leaf, [(index, device ids, numpy copy)]) of every leaf, each distinct shard index once."""
+    host = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        chunks: dict[tuple, list] = {}
+        for shard in leaf.addressable_shards:
+            key = tuple(map(tuple, _index(shard.index, leaf.shape)))
+            if key in chunks:
+                chunks[key][1].append(shard.device.id)
+            else:
+                chunks[key] = [key, [shard.device.id], np.array(shard.data, copy=True)]
+        host.append((_name(path), leaf, list(chunks.values())))
+    return host
 
 
 def _listdir(folder: Path) -> list[str]:

@@ -60,6 +60,45 @@ def test_round_trip_commit_by_rename_and_retention(tmp_path):
     assert not (tmp_path / "local").exists()
 
 
+def test_both_snapshots_write_the_same_bytes_and_the_state_may_be_donated_at_once(tmp_path, monkeypatch):
+    """The device snapshot returns before the step is read: the caller's next step donates the
+    state's buffers straight away (here a jitted donation deletes them, and the writer thread is
+    held until then), and what is written is still the saved state, the same bytes as the host
+    snapshot's."""
+    import threading
+
+    import jax
+
+    from jaxtrain.checkpoint import local_tier
+    donated, to_host = threading.Event(), local_tier._host_chunks
+
+    def after_the_donation(state):  # the writer thread reads the snapshot only once the state is gone
+        if threading.current_thread() is not threading.main_thread():
+            assert donated.wait(30)
+        return to_host(state)
+
+    monkeypatch.setattr(local_tier, "_host_chunks", after_the_donation)
+    mesh = mesh_of(2, 2, 2)
+    written = {}
+    for mode in ("device", "host"):
+        donated.clear()
+        t = LocalTier(cfg(local_every_steps=2, local_dir=str(tmp_path / mode), local_snapshot=mode),
+                      str(tmp_path / "run"))
+        state = to_device(host_state(seed=3), mesh)
+        t.save(2, state, {})
+        jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)  # the next step
+        assert all(x.is_deleted() for x in jax.tree.leaves(state))
+        donated.set()
+        t.wait()
+        written[mode] = (tmp_path / mode / "process-0" / "step-2" / "shards.bin").read_bytes()
+        plan, _ = t.plan(None, abstract(host_state(0), mesh))
+        restored, _, why = t.restore(plan, abstract(host_state(0), mesh))
+        assert why == "" and matches(restored, host_state(seed=3)), mode
+    assert written["device"] == written["host"]
+    with pytest.raises(ConfigError, match="local_snapshot must be auto, device or host"):
+        load_config(TINY, ["checkpoint.local_snapshot=gpu"])
+
+
 def test_a_step_not_newer_than_the_persistent_one_is_never_restored(tmp_path):
     mesh = mesh_of(2, 2, 2)
     t = tier(tmp_path)
