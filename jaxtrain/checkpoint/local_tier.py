@@ -154,6 +154,7 @@ class LocalTier:
         self.timeout_s = float(cfg.barrier_timeout_s if timeout_s is None else timeout_s)
         self.transfer = str(getattr(cfg, "local_transfer", "auto"))
         self.snapshot = str(getattr(cfg, "local_snapshot", "auto"))
+        self._compiled_copy: Any = None
         self._on_event = on_event
         self._uid = next(LocalTier._instances)
         self._calls = itertools.count()
@@ -201,7 +202,7 @@ class LocalTier:
         self._join()
         if self._snapshot_on_device(state):
             t1 = t0 = time.perf_counter()  # (the join is the previous write's, booked by it)
-            host = _copy_on_device(state)  # read to the host by the writer thread
+            host = self._snapshot(state)  # read to the host by the writer thread
         else:
             jax.block_until_ready(state)
             t1 = time.perf_counter()
@@ -236,6 +237,20 @@ class LocalTier:
         tmp = self.root / f"{TIER}.tmp{os.getpid()}"
         tmp.write_text(json.dumps(want))
         os.replace(tmp, path)
+
+    def _snapshot(self, state: Any) -> Any:
+        if self._compiled_copy is not None:
+            try:
+                return self._compiled_copy(state)
+            except (TypeError, ValueError):  # another layout than the restore's: jit compiles its own
+                self._compiled_copy = None
+        return _copy_on_device(state)
+
+    def prepare(self, abstract_state: Any) -> None:
+        """Compile the device snapshot's copy ahead (start-up), so the first save does not."""
+        platform = next(iter(jax.tree.leaves(abstract_state)[0].sharding.device_set)).platform
+        if self.every > 0 and (self.snapshot == "device" or (self.snapshot == "auto" and platform == "cpu")):
+            self._compiled_copy = _copy_on_device.lower(abstract_state).compile()
 
     def _snapshot_on_device(self, state: Any) -> bool:
         if self.snapshot == "auto":  # on the CPU the device's memory is the host's: the copy costs nothing more
@@ -385,6 +400,7 @@ class LocalTier:
 
     def plan(self, persistent_step: Optional[int], abstract_state: Any) -> tuple[Optional[Plan], str]:
         """Which local step to restore, and from where (collective). Returns (plan or None, reason)."""
+        self.prepare(abstract_state)  # every start plans: the snapshot's copy is compiled here
         mesh = mesh_shape(abstract_state)
 
         def check_tier() -> str:  # this machine's tier.json only: no process folder is opened

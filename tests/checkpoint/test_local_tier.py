@@ -99,6 +99,19 @@ def test_both_snapshots_write_the_same_bytes_and_the_state_may_be_donated_at_onc
         load_config(TINY, ["checkpoint.local_snapshot=gpu"])
 
 
+def test_the_snapshot_copy_is_compiled_at_start_up_not_at_the_first_save(tmp_path):
+    from jaxtrain.checkpoint import local_tier
+    mesh = mesh_of(2, 2, 2)
+    local_tier._copy_on_device.clear_cache()  # (earlier tests compiled it for these shapes)
+    t = tier(tmp_path)
+    t.plan(None, abstract(host_state(0), mesh))  # every start plans
+    before = local_tier._copy_on_device._cache_size()
+    t.save(2, to_device(host_state(seed=2), mesh), {})
+    t.wait()
+    assert local_tier._copy_on_device._cache_size() == before  # the save ran the copy compiled at start-up
+    assert t.restore(t.plan(None, abstract(host_state(0), mesh))[0], abstract(host_state(0), mesh))[2] == ""
+
+
 def test_a_step_not_newer_than_the_persistent_one_is_never_restored(tmp_path):
     mesh = mesh_of(2, 2, 2)
     t = tier(tmp_path)
