@@ -99,7 +99,11 @@ def local_tier(kills: int, seed: int) -> dict:
                          "median_step_s": round(median_step, 4)}
             if blocked:
                 out[name].update({
+                    # the mean carries each run's first save, which compiles the device snapshot's copy
                     "local_saves": len(blocked), "blocked_per_save_s_mean": round(statistics.mean(blocked), 5),
+                    "blocked_per_save_s_median": round(statistics.median(blocked), 5),
+                    "blocked_median_fraction_of_step": round(statistics.median(blocked) / median_step, 4),
+                    "median_step_s_persistent_only": out["persistent_only"]["median_step_s"],
                     "blocked_fraction_of_step": round(statistics.mean(blocked) / median_step, 4),
                     "ready_plus_blocked_fraction_of_step": round(
                         (statistics.mean(blocked) + statistics.mean(ready)) / median_step, 4)})
