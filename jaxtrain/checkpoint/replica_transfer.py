@@ -7,9 +7,10 @@ moves bytes: what a `put` means on disk (the checks before the commit, the renam
 what a `get` reads are the local tier's callbacks.
 
 Protocol, one request per connection: a 4-byte big-endian length, a JSON header
-(`token`, `op`, `owner`, `step`, and for a put the manifest and data lengths), then the payload;
-the answer has the same framing (`{"ok": true}` or `{"error": "..."}`; a get's answer carries the
-lengths, then the manifest and data). The token, drawn by process 0 and shared through the
+(`token`, `op`, `owner`, `step`, and for a put the manifest and data lengths); the answers have the
+same framing (`{"ok": true}` or `{"error": "..."}`). A put waits for the header's answer before it
+sends the payload (so a refused one, a wrong token, is told so rather than cut off mid-send), then
+for the commit's; a get's answer carries the lengths, then the manifest and data. The token, drawn by process 0 and shared through the
 coordination service, keeps anything but the job's own processes from writing into a node's
 local storage or reading its shards.
 """
@@ -101,6 +102,7 @@ class ReplicaServer:
                 return
             owner, step = int(header["owner"]), int(header["step"])
             if header.get("op") == "put":
+                _send(sock, {"ok": True})  # send the payload
                 manifest = bytes(_recv_exact(sock, int(header["manifest_bytes"])))
                 data = _recv_exact(sock, int(header["data_bytes"]))
                 try:
@@ -144,8 +146,12 @@ def put(address: tuple[str, int], token: str, owner: int, step: int, manifest: b
     with _connect(address, timeout_s) as sock:
         try:
             _send(sock, {"token": token, "op": "put", "owner": owner, "step": step,
-                         "manifest_bytes": len(manifest), "data_bytes": size}, [manifest, *buffers])
+                         "manifest_bytes": len(manifest), "data_bytes": size})
             answer = _recv_header(sock)
+            if answer.get("ok"):
+                for payload in (manifest, *buffers):
+                    sock.sendall(payload)
+                answer = _recv_header(sock)
         except (OSError, ValueError) as e:
             raise TransferError(f"sending step {step} to {address[0]}:{address[1]}: {type(e).__name__}: {e}") from None
     if not answer.get("ok"):
