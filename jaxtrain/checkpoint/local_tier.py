@@ -248,8 +248,7 @@ class LocalTier:
 
     def prepare(self, abstract_state: Any) -> None:
         """Compile the device snapshot's copy ahead (start-up), so the first save does not."""
-        platform = next(iter(jax.tree.leaves(abstract_state)[0].sharding.device_set)).platform
-        if self.every > 0 and (self.snapshot == "device" or (self.snapshot == "auto" and platform == "cpu")):
+        if self.every > 0 and self._snapshot_on_device(abstract_state):  # (ShapeDtypeStructs carry shardings)
             self._compiled_copy = _copy_on_device.lower(abstract_state).compile()
 
     def _snapshot_on_device(self, state: Any) -> bool:
