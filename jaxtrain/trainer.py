@@ -56,7 +56,7 @@ from jaxtrain.observe.runlog import RunLog
 from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
-from jaxtrain.parallel.sharding import global_batch
+from jaxtrain.parallel.sharding import global_batch, process_rows
 from jaxtrain.train.evaluation import Evaluator, PendingEval
 from jaxtrain.train.rollback import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
 from jaxtrain.train.state import State, build_layout
@@ -147,7 +147,8 @@ class Trainer:
         self.exporter: Exporter | None = None  # observe.prometheus_*: built once the sources exist
 
         # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
-        self.data = build_train_data(cfg, self.process_index, self.process_count)
+        self.rows = process_rows(self.mesh, self.rules, cfg.data.global_batch_size, self.process_index)
+        self.data = build_train_data(cfg, self.process_index, self.process_count, rows=self.rows)
         self.compiled_step = None  # compiled on first use (see _compile)
 
         # Restore or init. Every process takes the same path of collective calls whatever the
@@ -314,7 +315,8 @@ class Trainer:
         batch_index = position if self.layout.chaos_drills else None
         local = next(self.data)
         wait = float(getattr(self.data, "last_wait_s", 0.0))
-        batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules)
+        batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules,
+                             self.cfg.data.global_batch_size)
         if batch_index is not None:
             factor = np.float32(self.chaos.batch_factor(batch_index, self._host_step + 1))
             batch["chaos"] = jax.make_array_from_callback((), self.layout.replicated, lambda _: factor)

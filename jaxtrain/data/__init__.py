@@ -1,11 +1,12 @@
 """Input pipeline: what the trainer asks of data.
 
-`build_train_data(cfg, process_index, process_count)` returns an iterator of this process's
-share of each global batch: a dict of numpy arrays, each [global_batch / process_count, seq_len]:
+`build_train_data(cfg, process_index, process_count, rows)` returns an iterator of this process's
+rows of each global batch: a dict of numpy arrays, each [len(rows), seq_len]:
   tokens (int32), targets (int32), segment_ids (int32, 0 = padding), positions (int32),
   loss_mask (float32, 0 where the target is padding or in another document).
-Process p holds rows [p*b, (p+1)*b) of the global batch, which is the same whatever the number
-of processes. Iterators expose `get_state()` / `set_state()` (JSON-able) for checkpoints,
+`rows` are the global rows its devices hold (`jaxtrain.parallel.sharding.process_rows`); without
+them process p reads the block [p*b, (p+1)*b), b = global_batch / process_count. The global batch
+is the same whatever the number of processes and the device order. Iterators expose `get_state()` / `set_state()` (JSON-able) for checkpoints,
 `skip_batches(n)`, `reset()`, `close()` (stops background threads), `position` (global batches
 drawn so far: the index of the next one in the data order), `entropy_floor` (nats, or
 None when unknown), `last_wait_s` (seconds the last `next()` waited) and `num_batches` (global
@@ -18,6 +19,8 @@ token files, see `sources.py`) and `text` (.txt/.jsonl tokenized at open). Packi
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from jaxtrain.config import Config
 from jaxtrain.data.markov import MarkovData
@@ -59,12 +62,13 @@ def _eval_corpus(cfg: Config) -> Corpus:
     return _eval_cache[cache_key]
 
 
-def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1):
+def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1, rows: Sequence[int] | None = None):
     """The training iterator for `cfg.data`, yielding this process's rows of each global batch.
 
     Args:
       cfg: the config.
       process_index, process_count: this process and how many read the data (jax.process_*).
+      rows: the global rows this process reads, in order (default: its block, see the module doc).
     Returns:
       An iterator (see the module docstring); its background thread is already prefetching.
     Raises:
@@ -73,16 +77,16 @@ def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1
     """
     d = cfg.data
     if d.source == "markov":
-        return MarkovData(cfg, process_index, process_count)
+        return MarkovData(cfg, process_index, process_count, rows=rows)
     corpus = open_corpus(cfg, d.path, "data.path")
     if d.eval:
         _eval_corpus(cfg)
     return PackedData(SequenceSource(corpus, d.seq_len), global_batch=d.global_batch_size,
                       process_index=process_index, process_count=process_count, seed=d.seed,
-                      shuffle=d.shuffle, repeat=True, prefetch=d.prefetch)
+                      shuffle=d.shuffle, repeat=True, prefetch=d.prefetch, rows=rows)
 
 
-def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1):
+def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1, rows: Sequence[int] | None = None):
     """The held-out iterator (data.eval), or None when no eval source is configured.
 
     The iterator passes over the eval set once, in file order; batches after its end are padding
@@ -91,9 +95,9 @@ def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1)
     """
     d = cfg.data
     if d.source == "markov":
-        return MarkovData(cfg, process_index, process_count, stream=1) if cfg.train.eval_every else None
+        return MarkovData(cfg, process_index, process_count, stream=1, rows=rows) if cfg.train.eval_every else None
     if not d.eval:
         return None
     return PackedData(SequenceSource(_eval_corpus(cfg), d.seq_len), global_batch=d.global_batch_size,
                       process_index=process_index, process_count=process_count, seed=d.seed,
-                      shuffle=False, repeat=False, prefetch=d.prefetch)
+                      shuffle=False, repeat=False, prefetch=d.prefetch, rows=rows)

@@ -8,10 +8,12 @@ stationary distribution, so the best achievable next-token loss is exactly the e
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import numpy as np
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config
+from jaxtrain.data.rows import process_rows_or_block
 
 
 class MarkovChain:
@@ -64,16 +66,14 @@ class MarkovChain:
 class MarkovData:
     """Global batch at step s is a pure function of (data.seed, s): trivially resumable."""
 
-    def __init__(self, cfg: Config, process_index: int, process_count: int, *, stream: int = 0):
+    def __init__(self, cfg: Config, process_index: int, process_count: int, *, stream: int = 0,
+                 rows: Sequence[int] | None = None):
         d = cfg.data
         self.chain = MarkovChain(d.markov_states, d.markov_branching, d.markov_temperature, seed=d.seed)
         self.seed, self.stream = d.seed, stream
         self.seq_len, self.global_batch = d.seq_len, d.global_batch_size
-        if self.global_batch % process_count:
-            raise ConfigError(f"data.global_batch_size={self.global_batch} is not divisible by the "
-                              f"{process_count} processes")
-        self.local_batch = self.global_batch // process_count
-        self.row0 = process_index * self.local_batch
+        self.rows = process_rows_or_block(self.global_batch, process_index, process_count, rows)
+        self.local_batch = len(self.rows)
         self.index = 0
         self.last_wait_s = 0.0  # sampled in next() itself, on demand (cheap at test sizes)
         self.num_batches = None  # endless: every index is a fresh sample
@@ -88,7 +88,7 @@ class MarkovData:
     def __next__(self) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self.stream, self.index])
-        seqs = self.chain.sample(self.seq_len + 1, rng, self.global_batch)[self.row0:self.row0 + self.local_batch]
+        seqs = self.chain.sample(self.seq_len + 1, rng, self.global_batch)[self.rows]
         self.index += 1
         b, L = self.local_batch, self.seq_len
         self.last_wait_s = time.perf_counter() - t0

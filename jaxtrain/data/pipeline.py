@@ -6,9 +6,12 @@ permutation is ever stored) and repeated with a new shuffle each epoch. Global s
 pure function of (data.seed, g), and global batch s is samples [g0 + s*B, g0 + (s+1)*B) where
 g0 is where the iterator (re)started. Nothing depends on the number of processes.
 
-This process's share. Process p of P builds rows [p*b, (p+1)*b) of each global batch, b = B/P,
-and reads only those rows' tokens. The trainer assembles the global array with
-`jax.make_array_from_process_local_data`, so the global batch is the same for any P.
+This process's share. A process builds only the rows of each global batch that its devices hold
+(`rows`, from the batch sharding: `jaxtrain.parallel.sharding.process_rows`; by default process p
+of P the block [p*b, (p+1)*b), b = B/P) and reads only those rows' tokens. Where a mesh axis
+other than the batch's crosses hosts, two processes hold, and both read, the same rows. The
+trainer assembles the global array with `jax.make_array_from_process_local_data`, so the global
+batch is the same for any P and any device order.
 
 State. The whole iterator state is `next_sample` (the next global sample index): JSON-able,
 independent of P, and still meaningful if the global batch size changes on resume.
@@ -22,12 +25,13 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from typing import Optional
+from typing import Optional, Sequence
 
 import grain
 import numpy as np
 
 from jaxtrain.config import ConfigError
+from jaxtrain.data.rows import process_rows_or_block
 from jaxtrain.data.packing import FIELDS, SequenceSource, padding_row
 
 
@@ -49,14 +53,14 @@ class _Rows:
     finalizer that closes the iterator would never run, and every unclosed iterator and its thread
     would live until exit."""
 
-    def __init__(self, samples: grain.MapDataset, row0: int, local_batch: int, padding: dict):
-        self.samples, self.row0, self.local_batch, self.padding = samples, row0, local_batch, padding
+    def __init__(self, samples: grain.MapDataset, rows: np.ndarray, padding: dict):
+        self.samples, self.rows, self.padding = samples, rows, padding
 
     def batch(self, first_sample: int) -> dict[str, np.ndarray]:
         """This process's rows of the global batch that starts at global sample `first_sample`."""
         rows = []
-        for r in range(self.local_batch):
-            g = first_sample + self.row0 + r
+        for r in self.rows:
+            g = first_sample + int(r)
             # Past the end of a non-repeating source (eval): padding, which the loss ignores.
             rows.append(self.samples[g] if g < len(self.samples) else self.padding)
         return {k: np.stack([row[k] for row in rows]) for k in FIELDS}
@@ -66,7 +70,8 @@ class PackedData:
     """This process's rows of each global batch of packed sequences (see the module docstring).
 
     Attributes:
-      local_batch: rows per batch on this process (global_batch / process_count).
+      rows: the global rows of each batch this process builds, in order.
+      local_batch: how many (global_batch / process_count unless processes share rows).
       num_sequences: rows in one epoch of the source.
       num_batches: global batches in one pass over the source (for eval: a full pass).
       last_wait_s: seconds the last `next()` waited for its batch (0 when prefetch kept up).
@@ -74,17 +79,15 @@ class PackedData:
     """
 
     def __init__(self, source: SequenceSource, *, global_batch: int, process_index: int, process_count: int,
-                 seed: int, shuffle: bool, repeat: bool, prefetch: int):
-        if global_batch % process_count:
-            raise ConfigError(f"data.global_batch_size={global_batch} is not divisible by the "
-                              f"{process_count} processes")
+                 seed: int, shuffle: bool, repeat: bool, prefetch: int, rows: Sequence[int] | None = None):
+        rows = process_rows_or_block(global_batch, process_index, process_count, rows)
         if len(source) == 0:
             raise ConfigError(f"data.path: the data has {source.corpus.num_tokens} token(s); "
                               "packing needs at least 2")
         self.seq_len = source.seq_len
         self.global_batch = global_batch
-        self.local_batch = global_batch // process_count
-        self.row0 = process_index * self.local_batch
+        self.rows = rows
+        self.local_batch = len(rows)
         self.num_sequences = len(source)
         self.num_batches = -(-self.num_sequences // global_batch)
         self.prefetch = prefetch
@@ -93,7 +96,7 @@ class PackedData:
             ds = ds.shuffle(seed=seed)
         if repeat:
             ds = ds.repeat()  # reshuffles each epoch (the shuffle's seed moves with the epoch)
-        self._rows = _Rows(ds, self.row0, self.local_batch, padding_row(self.seq_len))
+        self._rows = _Rows(ds, self.rows, padding_row(self.seq_len))
         self.next_sample = 0
         self.last_wait_s = 0.0
         self.entropy_floor: Optional[float] = None

@@ -8,11 +8,10 @@ Device order follows the hardware (docs: README "Configs and parallelism"):
   part of each axis is its outer part: `mesh.dcn_data` / `dcn_stage` / `dcn_fsdp` say how it is
   split; when none is set, the granules go to the outermost axes that divide by them (data
   first), as a process-major order would.
-Hosts need not own a contiguous block of the batch: `make_array_from_process_local_data` maps
-each process's rows onto whichever batch shards its devices hold; but no two hosts may share a
-batch shard (each loads different rows), so where the topology-aware order of one slice would run
-a non-batch axis (tensor) across hosts, that slice falls back to hosts as granules. `axis_crossings` says which
-axes cross hosts and slices (`jaxtrain inspect` prints it).
+The order is chosen for the links alone, never for the data: each process loads the rows of
+whichever batch shards its devices hold (`sharding.process_rows`), so a tensor ring that follows
+the torus across two hosts makes both load the same rows, and nothing else changes.
+`axis_crossings` says which axes cross hosts and slices (`jaxtrain inspect` prints it).
 """
 
 from __future__ import annotations
@@ -40,21 +39,14 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Me
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_mesh_shape(mesh_cfg, len(devices))
-    batch = mesh_cfg.rules.get("batch") or []
-    batch_axes = tuple(batch if isinstance(batch, list) else [batch])
-    return Mesh(device_grid(sizes, {a: getattr(mesh_cfg, f"dcn_{a}") for a in DCN_AXES}, devices, batch_axes), AXES)
+    return Mesh(device_grid(sizes, {a: getattr(mesh_cfg, f"dcn_{a}") for a in DCN_AXES}, devices), AXES)
 
 
-def device_grid(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence[Any],
-                batch_axes: tuple[str, ...] = ("data", "stage", "fsdp")) -> np.ndarray:
+def device_grid(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
     """The devices as an array of shape (data, stage, fsdp, tensor) in hardware order (module doc).
 
     Works on anything with `platform`, `device_kind`, `id`, `process_index` and, on TPU, `coords`,
     `core_on_chip` and `slice_index` (tests pass fake devices to play multi-host topologies).
-    `batch_axes`: the mesh axes the batch is split over (`mesh.rules['batch']`). Each process
-    loads its own rows (jaxtrain.data), so no two processes may hold the same batch shard: where
-    the topology-aware order of one slice would do that (a tensor ring across hosts), the slice's
-    hosts become the granules instead (fast links inside each host, hosts along the outer axes).
     """
     shape = tuple(sizes[a] for a in AXES)
     processes = len({d.process_index for d in devices})
@@ -81,17 +73,10 @@ def device_grid(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence[An
         dcn_shape = _outermost(shape, slices if slices > 1 else processes)
     else:
         by_process, dcn_shape = False, None  # one slice (any hosts) or one process
-    grid = _whole(shape, devices) if dcn_shape is None else mesh_utils.create_hybrid_device_mesh(
-        tuple(s // d for s, d in zip(shape, dcn_shape)), dcn_shape, devices, process_is_granule=by_process,
-        allow_split_physical_axes=True)
-    if processes == 1 or by_process or _hosts_own_their_rows(grid, [AXES.index(a) for a in batch_axes]):
-        return grid
-    # A non-batch axis (tensor) runs across hosts inside a slice: hosts as granules instead.
-    dcn_shape = _outermost(shape, processes)
     if dcn_shape is None:
-        return grid
+        return _whole(shape, devices)
     return mesh_utils.create_hybrid_device_mesh(tuple(s // d for s, d in zip(shape, dcn_shape)), dcn_shape, devices,
-                                                process_is_granule=True, allow_split_physical_axes=True)
+                                                process_is_granule=by_process, allow_split_physical_axes=True)
 
 
 def _whole(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
@@ -101,16 +86,6 @@ def _whole(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
         return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return np.array(ordered, dtype=object).reshape(shape)
-
-
-def _hosts_own_their_rows(grid: np.ndarray, batch_dims: list[int]) -> bool:
-    """No two processes hold devices at the same batch-shard index (over `batch_dims`)."""
-    owner: dict[tuple, int] = {}
-    for index in np.ndindex(grid.shape):
-        shard = tuple(index[i] for i in batch_dims)
-        if owner.setdefault(shard, grid[index].process_index) != grid[index].process_index:
-            return False
-    return True
 
 
 def _outermost(shape: tuple[int, ...], granules: int) -> tuple[int, ...] | None:

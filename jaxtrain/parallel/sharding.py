@@ -193,10 +193,46 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
 
 
-def global_batch(local: dict[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
-    """Assemble this process's rows into global arrays (the same call on every process)."""
+def process_rows(mesh: Mesh, rules: Rules, batch_size: int, process_index: int) -> np.ndarray:
+    """The rows of each global batch that process `process_index` must load, sorted.
+
+    The union of the batch shards its devices hold under `batch_sharding`. Usually a contiguous
+    block of batch_size / processes rows, disjoint from the other processes'. Where the mesh runs a
+    non-batch axis across hosts (a tensor ring following a TPU slice's torus, or a mesh whose
+    batch is not split over every process) two processes hold the same shard: both load its rows,
+    and each loads more than batch_size / processes. Works on any device objects with
+    `process_index` (tests pass fake multi-host topologies).
+    """
+    spec = batch_sharding(mesh, rules).spec
+    rows_spec = P(spec[0] if len(spec) else None)
+    ways = _axis_size(mesh, rows_spec[0])
+    if batch_size % ways:
+        raise ConfigError(f"data.global_batch_size={batch_size} is not divisible by the {ways}-way batch sharding")
+    size = batch_size // ways
+    # Each device's batch-shard number: its index along the batch's mesh axes, major to minor.
+    axes = [a for a in (rows_spec[0] if isinstance(rows_spec[0], tuple) else (rows_spec[0],)) if a is not None]
+    held = set()
+    for index in np.ndindex(mesh.devices.shape):
+        if mesh.devices[index].process_index != process_index:
+            continue
+        shard = 0
+        for a in axes:
+            shard = shard * mesh.shape[a] + index[mesh.axis_names.index(a)]
+        held.add(shard)
+    return np.array([r for shard in sorted(held) for r in range(shard * size, (shard + 1) * size)], dtype=np.int64)
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh, rules: Rules,
+                 batch_size: int | None = None) -> dict[str, jax.Array]:
+    """Assemble this process's rows (`process_rows`, in that order) into global arrays.
+
+    The same call on every process. `batch_size`: the global batch; needed whenever processes
+    share batch shards (`process_rows`), where JAX cannot infer it from the local rows.
+    """
     sharding = batch_sharding(mesh, rules)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(
+        sharding, v, None if batch_size is None or jax.process_count() == 1 else (batch_size, *v.shape[1:]))
+        for k, v in local.items()}
 
 
 def bytes_per_device(tree: Any) -> dict[int, int]:

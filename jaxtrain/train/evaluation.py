@@ -13,7 +13,7 @@ import jax
 
 from jaxtrain.config import Config
 from jaxtrain.data import build_eval_data
-from jaxtrain.parallel.sharding import global_batch
+from jaxtrain.parallel.sharding import global_batch, process_rows
 from jaxtrain.train.state import StateLayout
 from jaxtrain.train.step import BATCH_KEYS, make_eval_step, partitioning
 
@@ -38,14 +38,16 @@ class Evaluator:
 
     def dispatch(self, params: Any, num_batches: int | None = None) -> PendingEval | None:
         """Queue the evaluation of `params` on the device; None when there is no eval data."""
-        data = build_eval_data(self.cfg, self.process_index, self.process_count)
+        size = self.cfg.data.global_batch_size
+        rows = process_rows(self.layout.mesh, self.layout.rules, size, self.process_index)
+        data = build_eval_data(self.cfg, self.process_index, self.process_count, rows=rows)
         if data is None:
             return None
         try:
             pending = []
             for _ in range(num_batches or self.cfg.train.eval_batches):
                 local = next(data)
-                batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.layout.mesh, self.layout.rules)
+                batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.layout.mesh, self.layout.rules, size)
                 pending.append(self._step(params, batch))
         finally:
             if hasattr(data, "close"):

@@ -1,7 +1,9 @@
 """Two real JAX processes (gloo) assemble the same global batches as one process reading alone.
 
 Each process builds only its rows with `build_train_data(cfg, i, 2)` and the global array with
-`jax.make_array_from_process_local_data`; process 0 gathers it and saves it for comparison.
+`jax.make_array_from_process_local_data`; process 0 gathers it and saves it for comparison. A
+second worker shares batch shards between the processes (a tensor pair across them), as a TPU
+slice whose torus order runs the tensor ring over two hosts does: each reads `process_rows`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,45 @@ from jaxtrain.data import build_train_data
 from jaxtrain.data.packing import FIELDS
 
 STEPS = 3
+
+SHARED_WORKER = textwrap.dedent("""
+    import sys
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+
+    port, pid, out, *overrides = sys.argv[1:]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid),
+                               initialization_timeout=60)
+    from jaxtrain.config import load_config
+    from jaxtrain.data import build_train_data
+    from jaxtrain.parallel.mesh import AXES
+    from jaxtrain.parallel.sharding import global_batch, process_rows
+
+    cfg = load_config(None, overrides)
+    a, b = (sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1))
+    # data=4 x tensor=2: data 0 and 1 pair a device of each process, data 2 is process 0's only,
+    # data 3 process 1's only. Process 0 holds batch shards 0, 1, 2; process 1 holds 0, 1, 3.
+    grid = np.array([[a[0], b[0]], [a[1], b[1]], [a[2], a[3]], [b[2], b[3]]], dtype=object)
+    mesh = Mesh(grid.reshape(4, 1, 1, 2), AXES)
+    rows = process_rows(mesh, cfg.mesh.rules, cfg.data.global_batch_size, jax.process_index())
+    quarter = cfg.data.global_batch_size // 4
+    want = [0, 1, 2] if jax.process_index() == 0 else [0, 1, 3]
+    assert rows.tolist() == [r for s in want for r in range(s * quarter, (s + 1) * quarter)], rows
+    data = build_train_data(cfg, jax.process_index(), jax.process_count(), rows=rows)
+    saved = {}
+    for step in range(%d):
+        arrays = global_batch(next(data), mesh, cfg.mesh.rules, cfg.data.global_batch_size)
+        for k, arr in arrays.items():
+            assert arr.shape == (cfg.data.global_batch_size, cfg.data.seq_len), arr.shape
+            saved[f"{k}_{step}"] = np.asarray(multihost_utils.process_allgather(arr, tiled=True))
+    data.close()
+    if jax.process_index() == 0:
+        np.savez(out, **saved)
+    jax.distributed.shutdown()
+""" % STEPS)
 
 WORKER = textwrap.dedent("""
     import sys
@@ -61,15 +102,16 @@ def free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_build_the_same_global_batches(tmp_path):
+@pytest.mark.parametrize("worker,devices", [(WORKER, 2), (SHARED_WORKER, 4)], ids=["own_rows", "shared_rows"])
+def test_two_processes_build_the_same_global_batches(tmp_path, worker, devices):
     corpus = write_tokens(tmp_path / "tok", random_docs(80))
     overrides = ["data.source=tokens", f"data.path={corpus}", "model.vocab_size=128", "data.seq_len=16",
                  "data.global_batch_size=8"]
     out = tmp_path / "gathered.npz"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(i), str(out), *overrides], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(port), str(i), str(out), *overrides], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []
     for p in procs:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from jaxtrain.config import ConfigError, MeshConfig, load_config
 from jaxtrain.parallel.mesh import AXES, axis_crossings, build_mesh, describe_crossings
+from jaxtrain.parallel.sharding import batch_sharding, process_rows
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,12 +129,36 @@ def batch_owners(mesh: Mesh) -> dict[tuple, set[int]]:
     return out
 
 
-def test_a_tensor_ring_across_hosts_falls_back_to_hosts_owning_their_rows():
-    """Topology-aware tensor=4 on v5e-16 is a line of chips over two hosts, which would then need
-    the same batch rows while each process loads its own: the hosts become the granules."""
+def test_a_tensor_ring_across_hosts_follows_the_torus_and_both_hosts_load_its_rows():
+    """Topology-aware tensor=4 on v5e-16 is a line of chips over two hosts. The mesh keeps it (it
+    used to fall back to hosts as granules, a 2-hop tensor ring); both hosts then load the rows
+    of every batch shard they touch, and only those."""
     mesh = mesh_of(tpu_slice((4, 4, 1), "TPU v5 lite"), data=1, fsdp=4, tensor=4)
-    assert all(len(p) == 1 for p in batch_owners(mesh).values())
-    assert not axis_crossings(mesh)["tensor"]["crosses_hosts"]
+    assert_rings_are_one_hop(mesh.devices, ("fsdp", "tensor"), (4, 4, 1), (False,) * 3, closed=False)
+    assert axis_crossings(mesh)["tensor"]["crosses_hosts"]
+    owners = batch_owners(mesh)
+    assert any(len(p) > 1 for p in owners.values())  # hosts do share batch shards now
+    batch = 16
+    rows = {p: process_rows(mesh, MeshConfig().rules, batch, p) for p in range(4)}
+    per_shard = batch // 4  # fsdp=4 splits the batch
+    for (_, _, fsdp), processes in owners.items():
+        shard = set(range(fsdp * per_shard, (fsdp + 1) * per_shard))
+        for p in range(4):
+            assert (shard <= set(rows[p].tolist())) == (p in processes), (fsdp, p)
+    assert all(len(r) == 2 * per_shard for r in rows.values())  # each host: two shards, twice B/P
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, fsdp=4), dict(data=1, fsdp=4, tensor=4), dict(data=2, fsdp=2, tensor=4),
+                                   dict(data=2, stage=2, fsdp=4)])
+def test_process_rows_are_the_rows_of_the_batch_shards_jax_places_on_each_process(sizes):
+    """`process_rows` against JAX's own placement of a [batch] array under the batch sharding."""
+    mesh = mesh_of(tpu_slice((4, 4, 1), "TPU v5 lite"), **sizes)
+    rules, batch = MeshConfig().rules, 32
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_sharding(mesh, rules).spec[0]))
+    for p in range(4):
+        want = sorted({r for d, (index,) in sharding.devices_indices_map((batch,)).items() if d.process_index == p
+                       for r in range(*index.indices(batch))})
+        assert process_rows(mesh, rules, batch, p).tolist() == want
 
 
 def test_one_slice_of_several_hosts_has_no_dcn_axis():
