@@ -34,7 +34,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         return jax.tree_util.tree_map_with_path(
             lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
 
-    parts = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
+    parts = [clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
     # optax.adamw's own chain (so its state tree, and checkpoints, stay the same), with the Adam
     # moments and the schedule's count kept on a skipped step.
     parts.append(optax.chain(
@@ -42,6 +42,23 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         optax.add_decayed_weights(o.weight_decay, decay_mask),
         kept_on_skip(optax.scale_by_learning_rate(learning_rate_schedule(cfg)))))
     return _guarded(optax.chain(*parts))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm's effect and state (EmptyState), as one scalar factor.
+
+    Every gradient is multiplied by min(1, max_norm / norm): bitwise the gradient when it is not
+    clipped. optax selects per element between the gradient and `g / norm * max_norm`, which keeps
+    both alive into the Adam update: on jax 0.12's XLA that is one more gradient-sized buffer per
+    large parameter at the step's peak (docs/memory.md).
+    """
+    def update(updates, state, params=None):
+        del params
+        norm = optax.global_norm(updates)
+        factor = jnp.minimum(1.0, max_norm / norm)  # a zero norm gives inf, so 1
+        return jax.tree_util.tree_map(lambda g: g * factor.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 # The update functions of optimizers whose `update(..., skip=True)` keeps their state (make_optimizer's).
