@@ -143,6 +143,7 @@ class Trainer:
         self.chaos = Chaos(cfg, self.process_index, self._event, attempt=env.restart_attempt(),
                            slot=env.launcher_slot())
         self._queued_events: list[tuple[str, int, dict]] = []  # events raised before the log exists
+        self._events_before_exporter: list[tuple[str, int, dict]] = []  # and before the exporter exists
         self.log: RunLog | None = None
         self.exporter: Exporter | None = None  # observe.prometheus_*: built once the sources exist
 
@@ -200,6 +201,9 @@ class Trainer:
                                  rollbacks=self.rollbacks, stragglers=self.stragglers, devices=self.mesh.local_devices,
                                  checkpoint_every=(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes),
                                  health=self.health).start()
+        for kind, step, details in self._events_before_exporter:  # restore, checkpoint_damaged, ...
+            self.exporter.on_event(kind, step, details)
+        self._events_before_exporter = []
         # The split of the profiled steps, summarized off the loop once the trace is written (only
         # when someone reads it: the summary costs host time).
         self.profiler.on_summary = self.exporter.on_profile if self.exporter.enabled else None
@@ -279,8 +283,11 @@ class Trainer:
         return self.layout.optimizer
 
     def _event(self, kind: str, step: int, **details: Any) -> None:
+        """Every event of the run: events.jsonl (process 0) and the exporter's count by kind."""
         if self.exporter is not None:
             self.exporter.on_event(kind, step, details)
+        else:
+            self._events_before_exporter.append((kind, step, details))
         if self.log is None:
             self._queued_events.append((kind, step, details))
         else:
@@ -451,10 +458,10 @@ class Trainer:
             # A spent rollback budget would hit the same wall after a restart: "a human is needed" (78),
             # which every recipe treats like a user error; a preemption asks to be restarted (75).
             code = EXIT_HUMAN if stop == "rollback_limit" else EXIT_RESTART
-            self.log.event(stop, self._host_step, exit_code=code, skipped_steps=skipped, **self._stop_details)
+            self._event(stop, self._host_step, exit_code=code, skipped_steps=skipped, **self._stop_details)
             return {"step": self._host_step, "exit_code": code}
         details = {"stragglers": dict(self.stragglers.reports)} if self.process_count > 1 else {}
-        self.log.event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks), **details)
+        self._event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks), **details)
         return {"step": self._host_step, "exit_code": EXIT_OK}
 
     def _iteration(self) -> str | None:
@@ -478,7 +485,7 @@ class Trainer:
         self.chaos.after_step(step, self.state)
         if self.signals.requested and not self.signals.reported:
             self.signals.reported = True
-            self.log.event("signal", step, signal=self.signals.requested)
+            self._event("signal", step, signal=self.signals.requested)
         time_due = self.checkpointer is not None and self.checkpointer.time_due()
         with self._waiting():  # the agreement, and a save's barriers and all-finite check, wait on peers
             decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
@@ -505,9 +512,9 @@ class Trainer:
         if not asked:
             return False
         self.signals.reported = True
-        self.log.event("signal", self._host_step, signal=next(iter(asked.values())), processes=sorted(asked),
+        self._event("signal", self._host_step, signal=next(iter(asked.values())), processes=sorted(asked),
                        before_first_step=True)
-        self.log.event("preempted", self._host_step, exit_code=EXIT_RESTART, before_first_step=True)
+        self._event("preempted", self._host_step, exit_code=EXIT_RESTART, before_first_step=True)
         print(f"jaxtrain: asked to stop during start-up ({', '.join(f'process {p}: {v}' for p, v in asked.items())}); "
               "exiting 75 before the first step", file=sys.stderr, flush=True)
         return True
@@ -539,14 +546,14 @@ class Trainer:
         self.exporter.on_preflight(report)  # the report is plain Python: no device on the scrape thread
         self.health.matmul_preflight = report["matmul_tflops"][self.process_index]
         if report["named"] and self.cfg.fault.preflight_action == "exit":
-            self.log.event("preflight_failed", self._host_step, named=report["named"], hosts=report["named_hosts"],
+            self._event("preflight_failed", self._host_step, named=report["named"], hosts=report["named_hosts"],
                            exit_code=EXIT_RESTART)
             return False
         return True
 
     def _log_start(self) -> None:
         self._fit_start = self._host_step
-        self.log.event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
+        self._event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
                        hosts=self.hosts, mesh=self.mesh_sizes, pipeline=pipeline.describe(self.cfg, self.mesh_sizes),
                        params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), started_at=self._started_at,
@@ -592,7 +599,7 @@ class Trainer:
             self.local.discard_after(plan.to_step)
         self.guard.reset()
         self._resume_guard()
-        self.log.event("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
+        self._event("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
                        batches_skipped=record["skip_batches"], data_from=record["data_from"],
                        data_to=record["data_to"], spike_steps=list(plan.spike_steps),
                        spike_batches=list(plan.spike_batches), discarded_checkpoints=discarded,
@@ -603,7 +610,7 @@ class Trainer:
     def _report_resume(self) -> None:
         jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
         source = {} if self.local is None else {"source": self.resume_source}  # local, peer or persistent
-        self.log.event("resume", self.resumed_from, restored_step=self.resumed_from,
+        self._event("resume", self.resumed_from, restored_step=self.resumed_from,
                        restart_to_first_step_s=round(time.time() - self._started_at, 3),
                        compile_s=round(self.compile_s, 3), **source)
 

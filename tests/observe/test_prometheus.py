@@ -4,6 +4,7 @@ and a real Prometheus server whose shipped alert rules fire on drills."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import socket
@@ -365,8 +366,15 @@ def test_the_endpoint_adds_no_transfer_and_no_recompile_while_scraped(tmp_path):
     assert m["jaxtrain_profile_step"] == 4 and m["jaxtrain_profile_steps"] >= 1  # close() waited for the summary
     assert 0 < m["jaxtrain_profile_collective_fraction"] < 1  # data=2: the gradients' all-reduce
     assert m["jaxtrain_profile_step_time_seconds"] > 0
-    health = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines()) if e["kind"] == "health"]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    health = [e for e in events if e["kind"] == "health"]
     assert [e["step"] for e in health] == [2, 4, 6] and "host_memory_available_ratio" in health[0], health
+    # Every event of the run is counted by kind, also those raised before the exporter existed and
+    # those the trainer writes itself (start, done): they missed the count before.
+    counted = {s.labels["kind"]: s.value for f in text_string_to_metric_families((tmp_path / "m.prom").read_text())
+               for s in f.samples if s.name == "jaxtrain_events_total"}
+    assert counted == dict(collections.Counter(e["kind"] for e in events)), (counted, [e["kind"] for e in events])
+    assert {"start", "done", "checkpoint_saved"} <= set(counted), counted
 
 
 # ----------------------------------------------------------------------------- two processes
