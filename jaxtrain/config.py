@@ -62,6 +62,8 @@ class OptimConfig:
 DEFAULT_RULES: dict = {
     "batch": ["data", "stage", "fsdp"],  # outside the pipeline stage devices split the batch too
     "length": "context",  # activations' sequence dim: split over the context axis (docs/context.md)
+    # the residual stream's sequence dim (norms, residual adds); [context, tensor] = sequence parallelism
+    "act_length": "context",
     "embed": "fsdp",
     "vocab": "tensor",
     "mlp": "tensor",

@@ -88,3 +88,39 @@ CASES = {
 def test_context_parallel_train_step_equals_data_parallel(name, data8):
     got = run("model.attention=xla", *CASES[name])
     assert_same_step(got, data8)
+
+
+SEQUENCE_PARALLEL = "mesh.rules={act_length: [context, tensor]}"
+SP_CASES = {
+    "tensor2": ("mesh.tensor=2", "mesh.data=4"),
+    "tensor4": ("mesh.tensor=4", "mesh.data=2"),
+    "context2-tensor2": ("mesh.context=2", "mesh.tensor=2", "mesh.data=2"),
+}
+
+
+@pytest.mark.parametrize("name", list(SP_CASES))
+def test_sequence_parallel_activations_equal_data_parallel(name, data8):
+    """Megatron's sequence parallelism (the residual stream's length over tensor) changes no number."""
+    got = run("model.attention=xla", SEQUENCE_PARALLEL, *SP_CASES[name])
+    assert_same_step(got, data8)
+    from jaxtrain.parallel.sharding import logical_to_spec
+    assert "tensor" in str(logical_to_spec(("batch", "act_length", "act_embed"), got[3].rules)[1])
+
+
+def test_a_context_parallel_checkpoint_restores_onto_a_layout_without_it(tmp_path):
+    """context 4 x data 2 (zig-zag ring) saves; data 8 restores it bitwise and trains on; and back."""
+    base = load_config(None, SMALL + ["model.attention=xla", f"run.output_dir={tmp_path}", "checkpoint.every_steps=0",
+                                      "checkpoint.save_at_end=true"])
+    layouts = [["mesh.context=4", "mesh.data=2"], ["mesh.data=8"], ["mesh.context=8", "mesh.data=1",
+                                                                     "context.attention=allgather"]]
+    previous = None
+    for i, mesh in enumerate(layouts):
+        trainer = Trainer(base.with_overrides(*mesh, f"train.steps={2 * (i + 1)}"), devices=jax.devices()[:8])
+        restored = jax.device_get(trainer.state)
+        if previous is not None:
+            assert trainer.resumed_from == 2 * i
+            jax.tree_util.tree_map(np.testing.assert_array_equal, restored, previous)
+        trainer.fit()
+        previous = jax.device_get(trainer.state)
+        trainer.close()
+    assert int(previous["step"]) == 6
