@@ -61,7 +61,9 @@ class OptimConfig:
 
 DEFAULT_RULES: dict = {
     "batch": ["data", "stage", "fsdp"],  # outside the pipeline stage devices split the batch too
-    "length": None,
+    "length": "context",  # activations' sequence dim: split over the context axis (docs/context.md)
+    # the residual stream's sequence dim (norms, residual adds); [context, tensor] = sequence parallelism
+    "act_length": "context",
     "embed": "fsdp",
     "vocab": "tensor",
     "mlp": "tensor",
@@ -78,6 +80,7 @@ class MeshConfig:
     data: int = -1  # data-parallel replicas (-1 = the devices left over)
     stage: int = 1  # pipeline stages
     fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
+    context: int = 1  # context parallelism: each sequence split over this many devices (docs/context.md)
     tensor: int = 1  # tensor (Megatron) parallelism
     # Of each axis, how many ways span the slow data-centre network (DCN): TPU slices, else processes.
     # Their product = the number of slices (or processes); multi-host only. None set: the granules go
@@ -85,6 +88,7 @@ class MeshConfig:
     dcn_data: int = 1  # of `data`, how many replicas span slices/hosts
     dcn_stage: int = 1  # of `stage`, how many pipeline stages span slices/hosts (stages pass only activations)
     dcn_fsdp: int = 1  # of `fsdp`, how many shards span slices/hosts
+    dcn_context: int = 1  # of `context`, how many sequence shards span slices/hosts (the ring crosses DCN)
     # logical axis -> mesh axis (or list of mesh axes, or null = replicated). This one table
     # decides every parameter and activation sharding in the model. A partial table (YAML, an
     # override, or MeshConfig(rules=...) in Python) overrides its entries of DEFAULT_RULES only.
@@ -112,6 +116,19 @@ class PipelineConfig:
     # then reduce-scattered once after it. Costs memory: every device holds its stage's weights and
     # weight gradients unsharded over fsdp for the whole pass.
     gather_fsdp_once: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextConfig:
+    """Attention across a sequence split over the `context` mesh axis; used only when mesh.context > 1
+    (jaxtrain/parallel/context.py, docs/context.md)."""
+
+    # ring: K/V blocks pass around the context ring (ppermute), memory ~1/context; allgather: every
+    # device gathers the whole K/V (MaxText's default), simpler, K/V memory not divided.
+    attention: Literal["ring", "allgather"] = "ring"
+    # zigzag: device i holds sequence chunks i and 2C-1-i, so causal attention work is equal on every
+    # device; plain: contiguous chunks (the last device does ~2x the average work).
+    order: Literal["zigzag", "plain"] = "zigzag"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +345,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    context: ContextConfig = ContextConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     precision: PrecisionConfig = PrecisionConfig()
@@ -578,6 +596,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be positive, got {value}")
     if cfg.mesh.stage > 1:  # -1 (fill) is checked in phase 2, once the stage count is known
         validate_pipeline(cfg, cfg.mesh.stage)
+    if cfg.mesh.context > 1:  # -1 (fill) is checked in phase 2, once the context size is known
+        validate_context(cfg, cfg.mesh.context)
     known = logical_axis_names()
     for logical in cfg.mesh.rules:
         if logical not in known:
@@ -587,9 +607,9 @@ def validate(cfg: Config) -> None:
     for logical, target in cfg.mesh.rules.items():
         targets = target if isinstance(target, list) else [target]
         for a in targets:
-            if a is not None and a not in ("data", "stage", "fsdp", "tensor"):
+            if a is not None and a not in ("data", "stage", "fsdp", "context", "tensor"):
                 raise ConfigError(
-                    f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, tensor")
+                    f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, context, tensor")
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
             value = getattr(getattr(cfg, section.name), f.name)
@@ -716,3 +736,21 @@ def validate_pipeline(cfg: Config, stages: int) -> None:
     if per_step % p.microbatches:
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} / train.grad_accum={cfg.train.grad_accum} "
                           f"= {per_step} sequences per step do not split into pipeline.microbatches={p.microbatches}")
+
+
+def validate_context(cfg: Config, context: int) -> None:
+    """Context-parallel rules for a `context`-way split sequence (phase 1 for a given mesh.context;
+    phase 2 again once a -1 axis is resolved). Raises ConfigError."""
+    if context <= 1:
+        return
+    order, seq = cfg.context.order, cfg.data.seq_len
+    chunks = 2 * context if order == "zigzag" else context
+    if seq % chunks:
+        raise ConfigError(f"data.seq_len={seq} is not divisible by {chunks} (context.order={order} with "
+                          f"mesh.context={context} cuts each sequence into {chunks} equal chunks)")
+    if cfg.mesh.stage != 1:
+        raise ConfigError(f"mesh.context={context} with mesh.stage={cfg.mesh.stage}: context parallelism inside "
+                          "pipeline stages is not built yet; use mesh.stage=1 or mesh.context=1")
+    length = cfg.mesh.rules.get("length")
+    if "context" not in (length if isinstance(length, list) else [length]):
+        raise ConfigError(f"mesh.context={context} needs mesh.rules['length'] to include context (got {length!r})")

@@ -54,7 +54,7 @@ from jaxtrain.observe.nvml import Nvml
 from jaxtrain.observe.prometheus import Exporter, local_index
 from jaxtrain.observe.runlog import RunLog
 from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
-from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import context, pipeline
 from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
 from jaxtrain.parallel.sharding import global_batch, process_rows
 from jaxtrain.train.evaluation import Evaluator, PendingEval
@@ -555,6 +555,7 @@ class Trainer:
         self._fit_start = self._host_step
         self._event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
                        hosts=self.hosts, mesh=self.mesh_sizes, pipeline=pipeline.describe(self.cfg, self.mesh_sizes),
+                       context=context.describe(self.cfg, self.mesh_sizes),
                        params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), started_at=self._started_at,
                        entropy_floor=getattr(self.data, "entropy_floor", None),

@@ -17,6 +17,9 @@ from __future__ import annotations
 from kernels.attention import (
     AUTO_GPU_IMPLEMENTATION,
     BACKWARD_FLOPS_FACTOR,
+    BLOCK_IMPLEMENTATIONS,
+    attention_block,
+    attention_block_bwd,
     IMPLEMENTATIONS,
     attention_flops,
     attention_training_flops,
@@ -30,6 +33,9 @@ from kernels.reference import mha_reference
 __all__ = [
     "AUTO_GPU_IMPLEMENTATION",
     "BACKWARD_FLOPS_FACTOR",
+    "BLOCK_IMPLEMENTATIONS",
+    "attention_block",
+    "attention_block_bwd",
     "IMPLEMENTATIONS",
     "BlockSizes",
     "attention_flops",

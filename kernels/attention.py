@@ -176,6 +176,37 @@ def flash_attention(
     return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
+BLOCK_IMPLEMENTATIONS = ("xla", "pallas")  # those with a blockwise form (attention_block)
+
+
+def attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=None, implementation: str = "xla"):
+    """One block of a blockwise attention (ring / context parallelism): (o, lse), o [B, L, N, H] fp32 and
+    lse [B, L, N] fp32 (MASK_VALUE for a row that sees no key), so that blocks over disjoint keys combine
+    exactly. Not differentiable by itself: its backward is `attention_block_bwd`. `implementation`:
+    a concrete one of BLOCK_IMPLEMENTATIONS."""
+    if implementation == "xla":
+        from kernels.reference import attention_block as block
+    elif implementation == "pallas":
+        from kernels.pallas_attention import pallas_attention_block as block
+    else:
+        raise ValueError(f"attention implementation {implementation!r} has no blockwise form; "
+                         f"choose from {', '.join(BLOCK_IMPLEMENTATIONS)}")
+    return block(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+
+
+def attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids=None, kv_segment_ids=None,
+                        implementation: str = "xla"):
+    """(dq, dk, dv) fp32 of one block, given the combined output o, its lse over all blocks and dO."""
+    if implementation == "xla":
+        from kernels.reference import attention_block_bwd as bwd
+    elif implementation == "pallas":
+        from kernels.pallas_attention import pallas_attention_block_bwd as bwd
+    else:
+        raise ValueError(f"attention implementation {implementation!r} has no blockwise form; "
+                         f"choose from {', '.join(BLOCK_IMPLEMENTATIONS)}")
+    return bwd(q, k, v, o, lse, do, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+
+
 def attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True) -> float:
     """Forward FLOPs of attention's two matmuls, QK^T and PV: 4 * B * L^2 * N * H.
 

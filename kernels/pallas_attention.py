@@ -71,6 +71,9 @@ class _Config:
     groups: int  # G
     head_dim: int  # H
     interpret: bool
+    # lse written for a row that sees no key: 0 for the standalone kernel (its backward masks those
+    # rows); MASK_VALUE for a block of a blockwise attention, so the row weighs nothing when combined.
+    empty_lse: float = 0.0
 
     @property
     def needs_length_mask(self) -> bool:
@@ -173,7 +176,7 @@ def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
     empty = l_b1 == 0.0
     l_safe = jnp.where(empty, 1.0, l_b1)
     o_ref[...] = (acc_bH / l_safe).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, 0.0, m_b1 + jnp.log(l_safe))
+    lse_ref[...] = jnp.where(empty, cfg.empty_lse, m_b1 + jnp.log(l_safe))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,3 +471,44 @@ def pallas_flash_attention(
         segs = _Segments(q_seg[:, :, None], kv_seg[:, None, :], q_seg[:, None, :], kv_seg[:, :, None])
     o_BNLH = _flash_padded(cfg, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v), segs)
     return o_BNLH.transpose(0, 2, 1, 3)[:, :L]
+
+
+def _block_inputs(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, interpret):
+    B, L, N, H = q.shape
+    bq, bk, Lp = _plan_blocks(L, as_block_sizes(block_sizes, DEFAULT_BLOCK_SIZES))
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    cfg = _Config(causal=bool(causal), scale=1.0 / math.sqrt(H), seq_len=L, padded_len=Lp, block_q=bq,
+                  block_kv=bk, groups=N // k.shape[2], head_dim=H, interpret=bool(interpret),
+                  empty_lse=MASK_VALUE)
+    segs = None
+    if segment_ids is not None:
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
+        kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
+        segs = _Segments(q_seg[:, :, None], kv_seg[:, None, :], q_seg[:, None, :], kv_seg[:, :, None])
+    layout = lambda x: jnp.pad(x, ((0, 0), (0, Lp - L), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    return cfg, segs, layout
+
+
+def pallas_attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=None,
+                           block_sizes=None, interpret=None):
+    """(o, lse) of q against one block of keys with the forward kernel (kernels.reference.attention_block's
+    contract): o [B, L, N, H] fp32, lse [B, L, N] fp32, MASK_VALUE for a row that sees no key."""
+    B, L, N, H = q.shape
+    cfg, segs, layout = _block_inputs(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, interpret)
+    o, lse = _fwd_call(cfg, layout(q), layout(k), layout(v), segs)
+    return o.transpose(0, 2, 1, 3)[:, :L].astype(jnp.float32), lse[..., 0].transpose(0, 2, 1)[:, :L]
+
+
+def pallas_attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids=None, kv_segment_ids=None,
+                               block_sizes=None, interpret=None):
+    """(dq, dk, dv) of one block given the combined o, lse [B, L, N] and dO, with the fused backward
+    kernels (kernels.reference.attention_block_bwd's contract)."""
+    B, L, N, H = q.shape
+    cfg, segs, layout = _block_inputs(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, interpret)
+    lse_p = jnp.pad(lse.transpose(0, 2, 1), ((0, 0), (0, 0), (0, cfg.padded_len - L)))[..., None]
+    dq, dk, dv = _bwd_call(cfg, layout(q), layout(k), layout(v), segs, layout(o.astype(q.dtype)), lse_p,
+                           layout(do.astype(q.dtype)))
+    back = lambda x: x.transpose(0, 2, 1, 3)[:, :L].astype(jnp.float32)
+    return back(dq), back(dk), back(dv)

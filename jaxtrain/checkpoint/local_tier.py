@@ -72,6 +72,14 @@ import numpy as np
 
 from jaxtrain.checkpoint import replica_transfer
 from jaxtrain.checkpoint.checkpointer import mesh_shape
+
+
+def same_mesh(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Two recorded meshes ({axis: size}) are the same layout: size-1 axes ignored, so a tier written
+    before an axis existed (or with it at 1) still restores after a release adds one (mesh.context)."""
+    if a is None or b is None:
+        return a == b
+    return {k: v for k, v in a.items() if v != 1} == {k: v for k, v in b.items() if v != 1}
 from jaxtrain.checkpoint.multihost import barrier, client as _client
 
 FORMAT = 1
@@ -411,7 +419,7 @@ class LocalTier:
                 return f"stale:tier.json unreadable ({type(e).__name__})"
             if tier.get("process_count") != self.count:
                 return f"stale:written by {tier.get('process_count')} processes, now {self.count}"
-            if tier.get("mesh") != mesh:
+            if not same_mesh(tier.get("mesh"), mesh):
                 return f"stale:written on mesh {tier.get('mesh')}, now {mesh}"
             return "ok:"
 
@@ -493,7 +501,7 @@ class LocalTier:
             raise ValueError(f"manifest of {where} is for step {meta.get('step')} of process "
                              f"{meta.get('process_index')} of {meta.get('process_count')}")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-        if meta.get("mesh") != mesh_shape(abstract_state):
+        if not same_mesh(meta.get("mesh"), mesh_shape(abstract_state)):
             raise ValueError(f"saved on mesh {meta.get('mesh')}, restoring onto {mesh_shape(abstract_state)}")
         if len(blob) != meta["bytes"]:
             raise ValueError(f"{where} has {len(blob)} bytes, the manifest says {meta['bytes']}")

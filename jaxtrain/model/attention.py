@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 import kernels
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.parallel import context
 from jaxtrain.parallel.sharding import KERNEL_WHOLE_AXES, Partitioning, check_attention_layout
 
 # `precision.policy` -> the dtype q/k/v have in the model (jaxtrain.train.precision.compute_dtype,
@@ -45,6 +46,10 @@ def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int], *,
     except ValueError as e:
         raise ConfigError(f"model.attention={cfg.model.attention}: {e}") from None
     check_attention_layout(cfg.mesh.rules, mesh_sizes, implementation)
+    if mesh_sizes.get("context", 1) > 1 and implementation not in kernels.BLOCK_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention={cfg.model.attention} runs {implementation}, which has no blockwise form "
+                          f"for context parallelism (mesh.context={mesh_sizes['context']}); use one of "
+                          f"{', '.join(kernels.BLOCK_IMPLEMENTATIONS)}")
     return implementation
 
 
@@ -82,6 +87,8 @@ def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_
         platform = (partitioning.mesh.devices.flat[0].platform if partitioning.mesh is not None
                     else jax.default_backend())
     implementation = kernels.resolve_implementation(implementation, platform, q_BLNH.dtype, available)
+    if partitioning.context is not None:
+        return _context_attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, implementation, partitioning)
     run = lambda q, k, v, seg: kernels.flash_attention(q, k, v, causal=True, segment_ids=seg,
                                                        implementation=implementation)
     if implementation == "xla":
@@ -91,3 +98,25 @@ def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_
     qkv = ("batch", "length", "heads", "head_dim")  # kv heads split exactly like the query heads
     return partitioning.per_shard(run, (qkv, qkv, qkv, ("batch", "length")), qkv,
                                   whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+
+
+def _context_attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, implementation: str, partitioning: Partitioning):
+    """`attend` over a sequence split across `context` (jaxtrain.parallel.context): the schedule's ring
+    or all-gather, with `implementation`'s blockwise kernel (kernels.attention_block) per block."""
+    if implementation not in kernels.BLOCK_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention={implementation} has no blockwise form for context parallelism; "
+                          f"use one of {', '.join(kernels.BLOCK_IMPLEMENTATIONS)}")
+    N, shards = q_BLNH.shape[2], partitioning.ways("heads")
+    k_BLKH, v_BLKH = (repeat_kv_heads(x, N, shards) for x in (k_BLKH, v_BLKH))
+
+    def block_fwd(q, k, v, qs, ks, *, causal):
+        return kernels.attention_block(q, k, v, causal=causal, segment_ids=qs, kv_segment_ids=ks,
+                                       implementation=implementation)
+
+    def block_bwd(q, k, v, o, lse, do, qs, ks, *, causal):
+        return kernels.attention_block_bwd(q, k, v, o, lse, do, causal=causal, segment_ids=qs, kv_segment_ids=ks,
+                                           implementation=implementation)
+
+    qkv = partitioning.spec(("batch", "length", "heads", "head_dim"))
+    return context.context_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, partitioning.context, partitioning.mesh,
+                                     qkv, partitioning.spec(("batch", "length")), block_fwd, block_bwd)

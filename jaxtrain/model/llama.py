@@ -123,9 +123,14 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
+        # The residual stream is laid out by `act_length` (= `length` by default; with mesh.rules
+        # act_length: [context, tensor] Megatron's sequence parallelism: norms and residual adds run on
+        # 1/tensor of the tokens, an all-gather before each block's projections and a reduce-scatter
+        # after them replacing the all-reduce).
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype, part)
+        x_BLD = part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype, part)
-        return part.constrain(x_BLD, ("batch", "length", "act_embed"))
+        return part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
 
 
 # What the backward pass keeps of a layer's forward pass, by `model.remat` (MaxText's names). The
@@ -199,7 +204,7 @@ class Transformer(nnx.Module):
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-        x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "length", "act_embed"))
+        x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "act_length", "act_embed"))
 
         graphdef, layers = nnx.split(self.blocks)
         # Under a pipeline that rematerialises its iterations, model.remat's policy applies to each

@@ -15,11 +15,12 @@ import time
 from collections import defaultdict
 
 import jax
+import jax.numpy as jnp
 
 from jaxtrain.config import Config
 from jaxtrain.observe.profiling import (COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size,
                                         shape_bytes, wire_bytes)
-from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import context, pipeline
 from jaxtrain.parallel.mesh import describe_crossings
 from jaxtrain.parallel.sharding import logical_to_spec
 
@@ -237,6 +238,18 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     report["collective_bytes_total"] = total
     report["collective_bytes_theory"] = theory
     report["collective_bytes_ratio"] = total / theory if theory else None
+    # Context parallelism: the ring's collective-permute bytes as compiled beside their theory
+    # (jaxtrain.parallel.context.ring_bytes_theory), and the temporaries (activations, their
+    # gradients and attention blocks), which fall ~1/context with the sequence split.
+    report["context"] = context.describe(cfg, sizes)
+    if report["context"] is not None:
+        from jaxtrain.train.precision import compute_dtype
+        ring = context.ring_bytes_theory(cfg, sizes, jnp.dtype(compute_dtype(cfg)).itemsize)
+        permute = report["collectives_as_compiled"].get("collective-permute", 0)
+        report["context"].update({"ring_permute_bytes": permute, "ring_permute_bytes_theory": ring,
+                                  "ring_permute_ratio": permute / ring if ring else None})
+    if mem is not None:
+        report["activation_bytes_per_device"] = mem.temp_size_in_bytes
     return report
 
 

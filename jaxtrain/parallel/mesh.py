@@ -24,10 +24,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxtrain.config import Config, ConfigError, MeshConfig, validate_pipeline
+from jaxtrain.config import Config, ConfigError, MeshConfig, validate_context, validate_pipeline
 from jaxtrain.parallel.mesh_shape import AXES, resolve_mesh_shape  # JAX-free: the launcher uses them too
 
-DCN_AXES = ("data", "stage", "fsdp")  # axes that may span the slow network (mesh.dcn_<axis>)
+DCN_AXES = ("data", "stage", "fsdp", "context")  # axes that may span the slow network (mesh.dcn_<axis>)
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
@@ -154,6 +154,7 @@ def validate_against_devices(cfg: Config, num_devices: int, num_processes: int =
             f"= {micro} sequences per microbatch is not divisible by the {batch_ways}-way data parallelism "
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes)})")
     validate_pipeline(cfg, sizes["stage"])  # again: mesh.stage=-1 is resolved only now
+    validate_context(cfg, sizes["context"])  # again for mesh.context=-1
     if sizes["stage"] > 1:
         # Inside the pipeline each microbatch is split over the batch axes other than `stage`.
         inner = [a for a in batch_axes if a != "stage"]

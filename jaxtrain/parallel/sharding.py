@@ -92,6 +92,7 @@ class Partitioning:
     mesh: Mesh | None = None
     rules: Rules = dataclasses.field(default_factory=dict)
     schedule: Any = None  # jaxtrain.parallel.pipeline.Schedule when mesh.stage > 1, else None
+    context: Any = None  # jaxtrain.parallel.context.ContextSchedule when mesh.context > 1, else None
 
     def spec(self, names: tuple[str | None, ...]) -> P:
         """PartitionSpec for a tensor whose dimensions carry these logical names."""
@@ -178,7 +179,10 @@ def check_attention_layout(rules: Rules, mesh_sizes: dict[str, int], implementat
 
     def axes(name: str) -> list[str]:
         target = rules.get(name)
-        return [a for a in (target if isinstance(target, list) else [target]) if a is not None and mesh_sizes[a] > 1]
+        found = [a for a in (target if isinstance(target, list) else [target]) if a is not None and mesh_sizes[a] > 1]
+        # A length split over `context` is the context-parallel attention's (jaxtrain.parallel.context):
+        # it runs the kernel on whole blocks and combines them.
+        return [a for a in found if not (name == "length" and a == "context")]
 
     for name in KERNEL_WHOLE_AXES:
         if axes(name):

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from jaxtrain.config import Config
 from jaxtrain.model.loss import fused_loss
-from jaxtrain.parallel import pipeline
+from jaxtrain.parallel import context, pipeline
 from jaxtrain.parallel.sharding import Partitioning, Rules
 from jaxtrain.train.optim import applied_learning_rate, keeps_state_on_skip, learning_rate_schedule
 from jaxtrain.train.precision import update_loss_scale, uses_loss_scaling
@@ -40,7 +40,8 @@ def partitioning(cfg: Config, mesh: Mesh | None, rules: Rules | None) -> Partiti
     """The step's `Partitioning`: the mesh, the rules and, when mesh.stage > 1, the pipeline schedule."""
     if mesh is None:
         return Partitioning()
-    return Partitioning(mesh, rules if rules is not None else cfg.mesh.rules, pipeline.schedule_for(cfg, dict(mesh.shape)))
+    return Partitioning(mesh, rules if rules is not None else cfg.mesh.rules, pipeline.schedule_for(cfg, dict(mesh.shape)),
+                        context.schedule_for(cfg, dict(mesh.shape)))
 
 
 def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 0.0,
@@ -137,6 +138,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         params = state["params"]
         batch = dict(batch)
         inject = batch.pop("chaos", jnp.float32(1.0))  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
+        # Context parallelism's zig-zag order (jaxtrain.parallel.context): each device's chunks, once per
+        # batch; tokens, targets, positions, segment ids and mask move together, and the loss is a sum.
+        batch = context.permute_batch(batch, part.context)
         # Without fp16 the scale is 1 (precision.init_loss_scale): a constant here, so that no
         # `g / 1` pass copies each (vocab-sized) gradient into a second buffer.
         scale = state["loss_scale"]["scale"] if scaling else jnp.float32(1.0)
@@ -207,6 +211,7 @@ def make_eval_step(graphdef: nnx.GraphDef, part: Partitioning = Partitioning()
     schedule the layers still compute the same loss, as one scan over stage-sharded weights.
     """
     def eval_step(params, batch):
+        batch = context.permute_batch(batch, part.context)
         _, (ce, _, tokens) = loss_sum(params, graphdef, batch, part=part)
         return ce, tokens
     return eval_step

@@ -35,7 +35,8 @@ AXES = ("data", "stage", "fsdp", "tensor")
 
 def mesh_of(data: int, fsdp: int, tensor: int, devices=None) -> jax.sharding.Mesh:
     devices = list(devices if devices is not None else jax.devices())[: data * fsdp * tensor]
-    return jax.make_mesh((data, 1, fsdp, tensor), AXES, devices=devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}  # every other axis (stage, context, ...) 1
+    return jax.make_mesh(tuple(sizes.get(a, 1) for a in AXES), AXES, devices=devices)
 
 
 def spec_for(shape: tuple, mesh: jax.sharding.Mesh) -> P:

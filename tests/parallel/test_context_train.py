@@ -1,0 +1,126 @@
+"""A whole train step with context parallelism equals one without: `mesh.context` x data (x fsdp /
+tensor) against `mesh.data=8`, on packed rows whose documents cross the context shards: loss,
+grad_norm, every gradient leaf (fp32, rel <= 1e-5) and the parameters after 3 steps; the `start`
+event names the context schedule.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from trees import assert_trees_close, assert_trees_differ
+
+from jaxtrain.config import load_config
+from jaxtrain.parallel.sharding import global_batch
+from jaxtrain.train.step import BATCH_KEYS
+from jaxtrain.trainer import Trainer
+
+L = 64
+SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", f"data.seq_len={L}",
+         "data.global_batch_size=8", "optim.warmup_steps=0", "checkpoint.compilation_cache_dir=null"]
+BOUNDS = (5, 21, 45)  # off every chunk grid (chunks of 4 at zig-zag context 8); documents span shards
+
+
+def pack(batch: dict) -> dict:
+    pos = np.arange(L)
+    segment = np.searchsorted(np.array(BOUNDS), pos, side="right") + 1
+    batch["segment_ids"][:] = segment
+    batch["positions"][:] = pos - np.array((0,) + BOUNDS)[segment - 1]
+    return batch
+
+
+class Packed:
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return pack(next(self.data))
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+
+def run(*overrides: str, steps: int = 3):
+    trainer = Trainer(load_config(None, SMALL + list(overrides)), write_files=False, devices=jax.devices()[:8])
+    first = pack(next(type(trainer.data)(trainer.cfg, 0, 1)))
+    first = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
+    state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)
+    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, first)
+    trainer.data = Packed(trainer.data)
+    initial = jax.device_get(trainer.state["params"])
+    losses = [trainer.step()["loss"] for _ in range(steps)]
+    assert losses[0] == float(metrics["loss"])
+    final = jax.device_get(trainer.state["params"])
+    assert_trees_differ(final, initial, 1e-4)
+    return jax.device_get(metrics), jax.device_get(grads), final, trainer
+
+
+def assert_same_step(got, want) -> None:
+    (m_got, g_got, p_got, _), (m_want, g_want, p_want, _) = got, want
+    for key in ("loss", "grad_norm"):
+        assert abs(m_got[key] - m_want[key]) <= 1e-5 * abs(m_want[key]), (key, m_got[key], m_want[key])
+    assert_trees_close(g_got, g_want, 1e-5, "gradient ")
+    assert_trees_close(p_got, p_want, 1e-4, "parameter after 3 steps ")
+
+
+@pytest.fixture(scope="module")
+def data8():
+    return run("mesh.data=8", "model.attention=xla")
+
+
+CASES = {
+    "ring-zigzag-context4-data2": ("mesh.context=4", "mesh.data=2"),
+    "ring-plain-context2-fsdp2-tensor2": ("mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1",
+                                          "context.order=plain"),
+    "allgather-plain-context4-data2": ("mesh.context=4", "mesh.data=2", "context.attention=allgather",
+                                       "context.order=plain"),
+    "pallas-ring-zigzag-context2-tensor2-data2": ("mesh.context=2", "mesh.tensor=2", "mesh.data=2",
+                                                  "model.attention=pallas"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_train_step_equals_data_parallel(name, data8):
+    got = run("model.attention=xla", *CASES[name])
+    assert_same_step(got, data8)
+
+
+SEQUENCE_PARALLEL = "mesh.rules={act_length: [context, tensor]}"
+SP_CASES = {
+    "tensor2": ("mesh.tensor=2", "mesh.data=4"),
+    "tensor4": ("mesh.tensor=4", "mesh.data=2"),
+    "context2-tensor2": ("mesh.context=2", "mesh.tensor=2", "mesh.data=2"),
+}
+
+
+@pytest.mark.parametrize("name", list(SP_CASES))
+def test_sequence_parallel_activations_equal_data_parallel(name, data8):
+    """Megatron's sequence parallelism (the residual stream's length over tensor) changes no number."""
+    got = run("model.attention=xla", SEQUENCE_PARALLEL, *SP_CASES[name])
+    assert_same_step(got, data8)
+    from jaxtrain.parallel.sharding import logical_to_spec
+    assert "tensor" in str(logical_to_spec(("batch", "act_length", "act_embed"), got[3].rules)[1])
+
+
+def test_a_context_parallel_checkpoint_restores_onto_a_layout_without_it(tmp_path):
+    """context 4 x data 2 (zig-zag ring) saves; data 8 restores it bitwise and trains on; and back."""
+    base = load_config(None, SMALL + ["model.attention=xla", f"run.output_dir={tmp_path}", "checkpoint.every_steps=0",
+                                      "checkpoint.save_at_end=true"])
+    layouts = [["mesh.context=4", "mesh.data=2"], ["mesh.data=8"], ["mesh.context=8", "mesh.data=1",
+                                                                     "context.attention=allgather"]]
+    previous = None
+    for i, mesh in enumerate(layouts):
+        trainer = Trainer(base.with_overrides(*mesh, f"train.steps={2 * (i + 1)}"), devices=jax.devices()[:8])
+        restored = jax.device_get(trainer.state)
+        if previous is not None:
+            assert trainer.resumed_from == 2 * i
+            jax.tree_util.tree_map(np.testing.assert_array_equal, restored, previous)
+        trainer.fit()
+        previous = jax.device_get(trainer.state)
+        trainer.close()
+    assert int(previous["step"]) == 6
