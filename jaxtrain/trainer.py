@@ -80,6 +80,7 @@ ABORT_GRACE_S = 1.0
 
 # Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
 RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z")
+MOE_RECORDED = ("moe_aux_loss", "router_z_loss", "moe_max_load", "moe_dropped_fraction")  # model.num_experts > 0
 
 
 class _Pending:
@@ -362,6 +363,7 @@ class Trainer:
         """The metrics.jsonl record of a finished step."""
         values, d = self._values(pending), self.cfg.data
         record = {"step": pending.step, "time": time.time(), **{k: values[k] for k in RECORDED},
+                  **{k: values[k] for k in MOE_RECORDED if k in values},
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
                   "data_wait_interval_s": self._data_wait_since_log,  # summed since the last record

@@ -125,7 +125,17 @@ def _write_file(path: Path, data: bytes | memoryview | list) -> None:
             f.write(chunk)
 
 
+
+def same_mesh(saved: Optional[dict], now: Optional[dict]) -> bool:
+    """Whether two recorded meshes ({axis: size}) are one layout: axes of size 1 split nothing, so
+    they are left out (a checkpoint written before an axis existed, e.g. `expert`, still matches)."""
+    def nontrivial(mesh):
+        return None if mesh is None else {a: n for a, n in mesh.items() if n != 1}
+    return nontrivial(saved) == nontrivial(now)
+
+
 @dataclasses.dataclass
+
 class Plan:
     step: int
     sources: dict[int, str]  # process -> "own" or "peer-<holder>"
@@ -411,7 +421,7 @@ class LocalTier:
                 return f"stale:tier.json unreadable ({type(e).__name__})"
             if tier.get("process_count") != self.count:
                 return f"stale:written by {tier.get('process_count')} processes, now {self.count}"
-            if tier.get("mesh") != mesh:
+            if not same_mesh(tier.get("mesh"), mesh):
                 return f"stale:written on mesh {tier.get('mesh')}, now {mesh}"
             return "ok:"
 
@@ -493,7 +503,7 @@ class LocalTier:
             raise ValueError(f"manifest of {where} is for step {meta.get('step')} of process "
                              f"{meta.get('process_index')} of {meta.get('process_count')}")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-        if meta.get("mesh") != mesh_shape(abstract_state):
+        if not same_mesh(meta.get("mesh"), mesh_shape(abstract_state)):
             raise ValueError(f"saved on mesh {meta.get('mesh')}, restoring onto {mesh_shape(abstract_state)}")
         if len(blob) != meta["bytes"]:
             raise ValueError(f"{where} has {len(blob)} bytes, the manifest says {meta['bytes']}")

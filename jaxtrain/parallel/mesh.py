@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from jaxtrain.config import Config, ConfigError, MeshConfig, validate_pipeline
 from jaxtrain.parallel.mesh_shape import AXES, resolve_mesh_shape  # JAX-free: the launcher uses them too
 
-DCN_AXES = ("data", "stage", "fsdp")  # axes that may span the slow network (mesh.dcn_<axis>)
+DCN_AXES = ("data", "stage", "fsdp", "expert")  # axes that may span the slow network (mesh.dcn_<axis>)
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
