@@ -149,14 +149,22 @@ def test_capacity_drops_the_overflow_as_specified(k):
 
 
 def test_dropped_fraction_metric_reports_the_drop(tmp_path):
-    """capacity 1 slot per expert and group: each expert keeps one of a layer's T x k assignments."""
+    """capacity 1 slot per expert and group: each expert keeps one of a layer's T x k assignments;
+    metrics.jsonl records it beside the other MoE metrics, the start event names the dispatch."""
+    import json
     cfg = load_config("configs/moe-tiny.yaml", [f"run.output_dir={tmp_path}", "checkpoint.compilation_cache_dir=null",
                                                 "model.capacity_factor=0.001", "data.global_batch_size=4",
-                                                "data.seq_len=16", "train.steps=1"])
-    trainer = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
-    metrics = trainer.step()
+                                                "data.seq_len=16", "train.steps=1", "train.log_every=1",
+                                                "checkpoint.save_at_end=false"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.fit()
+    trainer.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assigned = 4 * 16 * 2
-    assert metrics["moe_dropped_fraction"] == pytest.approx(1 - 8 / assigned, rel=1e-6)
+    assert record["moe_dropped_fraction"] == pytest.approx(1 - 8 / assigned, rel=1e-6)
+    assert record["moe_aux_loss"] > 0 and record["router_z_loss"] > 0 and record["moe_max_load"] >= 1
+    start = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "start" and start["moe_dispatch"] == "capacity" and start["expert_parallel"] == 1
 
 
 def test_aux_and_z_loss_equal_hand_computed_values_and_reach_the_router():
