@@ -60,7 +60,7 @@ class OptimConfig:
 
 
 DEFAULT_RULES: dict = {
-    "batch": ["data", "stage", "fsdp"],  # outside the pipeline stage devices split the batch too
+    "batch": ["data", "stage", "fsdp", "expert"],  # outside the pipeline stage devices split the batch too; so do expert devices outside MoE layers
     "length": "context",  # activations' sequence dim: split over the context axis (docs/context.md)
     # the residual stream's sequence dim (norms, residual adds); [context, tensor] = sequence parallelism
     "act_length": "context",
@@ -72,6 +72,8 @@ DEFAULT_RULES: dict = {
     "head_dim": None,
     "layers": "stage",  # the stacked layers: pipeline stages split them (jaxtrain/parallel/pipeline.py)
     "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
+    "experts": "expert",  # MoE: the experts of a layer's stacked expert weights (expert parallelism)
+    "moe_mlp": "tensor",  # MoE: each expert's SwiGLU hidden dimension
 }
 
 
@@ -82,12 +84,14 @@ class MeshConfig:
     fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
     context: int = 1  # context parallelism: each sequence split over this many devices (docs/context.md)
     tensor: int = 1  # tensor (Megatron) parallelism
+    expert: int = 1  # expert parallelism: MoE layers' experts split over it, the batch too outside them (docs/moe.md)
     # Of each axis, how many ways span the slow data-centre network (DCN): TPU slices, else processes.
     # Their product = the number of slices (or processes); multi-host only. None set: the granules go
     # to the outermost axes that divide by them, data first (jaxtrain/parallel/mesh.py).
     dcn_data: int = 1  # of `data`, how many replicas span slices/hosts
     dcn_stage: int = 1  # of `stage`, how many pipeline stages span slices/hosts (stages pass only activations)
     dcn_fsdp: int = 1  # of `fsdp`, how many shards span slices/hosts
+    dcn_expert: int = 1  # of `expert`, how many expert groups span slices/hosts (all-to-all crosses them)
     dcn_context: int = 1  # of `context`, how many sequence shards span slices/hosts (the ring crosses DCN)
     # logical axis -> mesh axis (or list of mesh axes, or null = replicated). This one table
     # decides every parameter and activation sharding in the model. A partial table (YAML, an
@@ -158,6 +162,18 @@ class ModelConfig:
     remat: Literal["none", "full", "dots", "minimal", "save_qkv_proj", "save_out_proj"] = "none"
     attention: Literal["auto", "xla", "pallas", "triton", "cudnn"] = "auto"
     init_std: float = 0.02
+    # Mixture of experts (docs/moe.md; jaxtrain/model/moe.py). num_experts = 0: every MLP is dense.
+    num_experts: int = 0  # routed SwiGLU experts per MoE layer
+    experts_per_token: int = 2  # top-k
+    moe_mlp_dim: int = 0  # each expert's hidden size (0 = mlp_dim)
+    moe_every: int = 1  # every k-th layer after first_dense_layers is MoE (only 1 is built)
+    first_dense_layers: int = 0  # the first N layers keep a dense MLP (DeepSeek)
+    num_shared_experts: int = 0  # always-on experts (one dense SwiGLU of num_shared x moe_mlp_dim) beside the routed ones
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"  # softmax top-k (Mixtral) or sigmoid top-k (DeepSeek-V3)
+    capacity_factor: float = 0.0  # > 0: capacity-padded dispatch, overflow dropped (counted); <= 0: dropless
+    moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss alpha * E * sum_i f_i P_i, per MoE layer
+    router_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)**2), per MoE layer
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate * sign(mean load - load) per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,16 +559,17 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {value}")
-    for axis in ("data", "fsdp", "tensor", "stage"):
+    for axis in ("data", "fsdp", "tensor", "stage", "expert"):
         v = getattr(cfg.mesh, axis)
         if v == 0 or v < -1:
             raise ConfigError(f"config key 'mesh.{axis}' must be a positive size or -1 (fill), got {v}")
-    for axis in ("data", "stage", "fsdp"):
+    for axis in ("data", "stage", "fsdp", "expert"):
         if getattr(cfg.mesh, f"dcn_{axis}") < 1:
             raise ConfigError(f"config key 'mesh.dcn_{axis}' must be a positive size (1 = no DCN split), "
                               f"got {getattr(cfg.mesh, f'dcn_{axis}')}")
-    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tensor", "stage")) > 1:
-        raise ConfigError("only one of mesh.data/stage/fsdp/tensor may be -1 (fill with the remaining devices)")
+    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tensor", "stage", "expert")) > 1:
+        raise ConfigError("only one of mesh.data/stage/fsdp/expert/tensor may be -1 (fill with the remaining devices)")
+    validate_moe(cfg)
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads} "
@@ -607,9 +624,9 @@ def validate(cfg: Config) -> None:
     for logical, target in cfg.mesh.rules.items():
         targets = target if isinstance(target, list) else [target]
         for a in targets:
-            if a is not None and a not in ("data", "stage", "fsdp", "context", "tensor"):
-                raise ConfigError(
-                    f"mesh.rules['{logical}'] names mesh axis '{a}'; valid axes are data, stage, fsdp, context, tensor")
+            if a is not None and a not in ("data", "stage", "fsdp", "expert", "context", "tensor"):
+                raise ConfigError(f"mesh.rules['{logical}'] names mesh axis '{a}'; "
+                                  "valid axes are data, stage, fsdp, expert, context, tensor")
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
             value = getattr(getattr(cfg, section.name), f.name)
@@ -715,6 +732,34 @@ def validate(cfg: Config) -> None:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
 
 
+def validate_moe(cfg: Config) -> None:
+    """The mixture-of-experts keys (model.num_experts > 0; docs/moe.md)."""
+    m = cfg.model
+    if m.num_experts < 0:
+        raise ConfigError(f"model.num_experts={m.num_experts} must be >= 0 (0 = dense MLPs)")
+    if m.num_experts == 0:
+        if cfg.mesh.expert > 1:
+            raise ConfigError(f"mesh.expert={cfg.mesh.expert} needs a mixture of experts (model.num_experts > 0)")
+        return
+    if not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
+                          f"model.num_experts={m.num_experts}")
+    if m.moe_mlp_dim < 0 or m.num_shared_experts < 0:
+        raise ConfigError("model.moe_mlp_dim and model.num_shared_experts must be >= 0")
+    if m.moe_every != 1:
+        raise ConfigError(f"model.moe_every={m.moe_every} is not built: every layer after model.first_dense_layers "
+                          "is MoE (moe_every=1)")
+    if not 0 <= m.first_dense_layers < m.num_layers:
+        raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} must be within [0, model.num_layers="
+                          f"{m.num_layers}): at least one layer must be MoE")
+    for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
+        if not getattr(m, key) >= 0:
+            raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(m, key)}")
+    if cfg.mesh.stage not in (1,):
+        raise ConfigError(f"mesh.stage={cfg.mesh.stage}: MoE layers inside pipeline stages are not built; "
+                          "use mesh.stage=1 with model.num_experts > 0")
+
+
 def validate_pipeline(cfg: Config, stages: int) -> None:
     """Pipeline rules for `stages` pipeline stages (phase 1 for a given mesh.stage; phase 2 again
     once mesh.stage=-1 is resolved). No-op for one stage. Raises ConfigError with the numbers."""
@@ -754,3 +799,6 @@ def validate_context(cfg: Config, context: int) -> None:
     length = cfg.mesh.rules.get("length")
     if "context" not in (length if isinstance(length, list) else [length]):
         raise ConfigError(f"mesh.context={context} needs mesh.rules['length'] to include context (got {length!r})")
+    if cfg.model.num_experts > 0:
+        raise ConfigError(f"mesh.context={context} with model.num_experts={cfg.model.num_experts}: a mixture of "
+                          "experts over a split sequence is not built yet; use mesh.context=1 with MoE")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import threading
 import time
@@ -80,6 +81,12 @@ ABORT_GRACE_S = 1.0
 
 # Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
 RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z")
+MOE_RECORDED = ("moe_aux_loss", "router_z_loss", "moe_max_load", "moe_dropped_fraction")  # model.num_experts > 0
+
+
+def _rule_axes(target) -> list[str]:
+    """The mesh axes of one rules-table entry (a name, a list of names, or None)."""
+    return [a for a in (target if isinstance(target, list) else [target]) if a is not None]
 
 
 class _Pending:
@@ -362,6 +369,7 @@ class Trainer:
         """The metrics.jsonl record of a finished step."""
         values, d = self._values(pending), self.cfg.data
         record = {"step": pending.step, "time": time.time(), **{k: values[k] for k in RECORDED},
+                  **{k: values[k] for k in MOE_RECORDED if k in values},
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
                   "data_wait_interval_s": self._data_wait_since_log,  # summed since the last record
@@ -559,8 +567,19 @@ class Trainer:
                        params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), started_at=self._started_at,
                        entropy_floor=getattr(self.data, "entropy_floor", None),
-                       peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__)
+                       peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
+                       **self._moe_start())
         self.throughput.restart(self._host_step)
+
+    def _moe_start(self) -> dict:
+        """The `start` event's `moe_dispatch` (model.num_experts > 0): which dispatch the MoE layers run
+        (jaxtrain/parallel/experts.py: capacity, dropless-ragged_dot or dropless-dense-all_to_all)."""
+        m = self.cfg.model
+        if m.num_experts <= 0:
+            return {}
+        from jaxtrain.parallel.experts import dispatch_kind
+        ways = math.prod(self.mesh_sizes[a] for a in _rule_axes(self.cfg.mesh.rules.get("experts")))
+        return {"moe_dispatch": dispatch_kind(m.capacity_factor, ways), "expert_parallel": ways}
 
     # ------------------------------------------------------------------ rollback
 

@@ -93,7 +93,7 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("overrides, message", [
     (["model.d_modle=64"], "did you mean 'model.d_model'"),
     (["train.steps=abc"], "expects int"),
-    (["mesh.data=3"], "mesh (data=3, stage=1, fsdp=1, context=1, tensor=1) multiplies to 3 but there are 8 devices"),
+    (["mesh.data=3"], "mesh (data=3, stage=1, fsdp=1, expert=1, context=1, tensor=1) multiplies to 3 but there are 8 devices"),
     (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.global_batch_size=6"], "not divisible by the 4-way data parallelism"),
     (["mesh.data=1", "mesh.tensor=8"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
     (["data.source=tokens", "data.path=/nonexistent/corpus.bin"], "/nonexistent/corpus.bin"),

@@ -17,6 +17,7 @@ from jaxtrain.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs/tiny.yaml"
+MOE_TINY = REPO / "configs/moe-tiny.yaml"
 
 
 def jaxtrain(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -62,9 +63,10 @@ def test_loop_makes_no_implicit_transfers_and_compiles_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_config_reaches_the_entropy_floor(tmp_path):
+@pytest.mark.parametrize("config", [TINY, MOE_TINY], ids=["tiny", "moe-tiny"])
+def test_tiny_config_reaches_the_entropy_floor(tmp_path, config):
     out = tmp_path / "tiny"
-    r = jaxtrain("train", "--config", str(TINY), f"run.output_dir={out}", "--cpu-devices", "1", cwd=tmp_path)
+    r = jaxtrain("train", "--config", str(config), f"run.output_dir={out}", "--cpu-devices", "1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     floor = read_jsonl(out / "events.jsonl")[0]["entropy_floor"]
     losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
@@ -74,6 +76,9 @@ def test_tiny_config_reaches_the_entropy_floor(tmp_path):
     # floor is as wrong as above it: no model can beat the chain's entropy, one that sees the
     # future (a causal-mask leak) can.
     assert -0.05 <= final - floor <= 0.10, (final, floor)
+    if config == MOE_TINY:  # the MoE metrics are recorded, nothing dropped (dropless), load reported
+        last = read_jsonl(out / "metrics.jsonl")[-1]
+        assert last["moe_dropped_fraction"] == 0 and last["moe_max_load"] >= 1 and last["moe_aux_loss"] > 0
 
 
 def test_notebook_flow_step_save_model_and_resume(tmp_path):

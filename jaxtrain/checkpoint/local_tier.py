@@ -72,14 +72,6 @@ import numpy as np
 
 from jaxtrain.checkpoint import replica_transfer
 from jaxtrain.checkpoint.checkpointer import mesh_shape
-
-
-def same_mesh(a: Optional[dict], b: Optional[dict]) -> bool:
-    """Two recorded meshes ({axis: size}) are the same layout: size-1 axes ignored, so a tier written
-    before an axis existed (or with it at 1) still restores after a release adds one (mesh.context)."""
-    if a is None or b is None:
-        return a == b
-    return {k: v for k, v in a.items() if v != 1} == {k: v for k, v in b.items() if v != 1}
 from jaxtrain.checkpoint.multihost import barrier, client as _client
 
 FORMAT = 1
@@ -131,6 +123,14 @@ def _write_file(path: Path, data: bytes | memoryview | list) -> None:
     with open(path, "wb") as f:
         for chunk in (data if isinstance(data, list) else [data]):
             f.write(chunk)
+
+
+def same_mesh(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Two recorded meshes ({axis: size}) are the same layout: size-1 axes ignored, so a tier written
+    before an axis existed (or with it at 1) still restores after a release adds one (mesh.context)."""
+    if a is None or b is None:
+        return a == b
+    return {k: v for k, v in a.items() if v != 1} == {k: v for k, v in b.items() if v != 1}
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import attend
+from jaxtrain.model.moe import MoE
 from jaxtrain.model.projection import project
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.sharding import Partitioning
@@ -116,21 +117,28 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Attention and an MLP: dense, or (`moe`) routed experts (jaxtrain/model/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+        self.moe = moe
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning, bias_E=None):
+        """x_BLD -> x_BLD; an MoE block returns (x_BLD, routing statistics)."""
         # The residual stream is laid out by `act_length` (= `length` by default; with mesh.rules
         # act_length: [context, tensor] Megatron's sequence parallelism: norms and residual adds run on
         # 1/tensor of the tokens, an all-gather before each block's projections and a reduce-scatter
         # after them replacing the all-reduce).
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype, part)
         x_BLD = part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype, part)
-        return part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
+        if not self.moe:
+            x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype, part)
+            return part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
+        y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), dtype, part, bias_E)
+        return part.constrain(x_BLD + y_BLD, ("batch", "act_length", "act_embed")), stats
 
 
 # What the backward pass keeps of a layer's forward pass, by `model.remat` (MaxText's names). The
@@ -175,12 +183,19 @@ class Transformer(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             head_std if cfg.tie_embeddings else 1.0)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        def make_blocks(n: int, moe: bool) -> Block:
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs, moe)
+            return make(rngs)
 
-        self.blocks = make_blocks(rngs)
+        # A mixture of experts: the first `first_dense_layers` layers dense (`dense_blocks`), the
+        # rest MoE (`blocks`), each its own stack and scan.
+        moe = cfg.num_experts > 0
+        if moe and cfg.first_dense_layers:
+            self.dense_blocks = make_blocks(cfg.first_dense_layers, False)
+        self.blocks = make_blocks(cfg.num_layers - (cfg.first_dense_layers if moe else 0), moe)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
@@ -201,38 +216,63 @@ class Transformer(nnx.Module):
         `__call__` projects them to logits; the training loss (`jaxtrain.model.loss.fused_loss`) takes
         them with `head_weight()` instead, so the full logits are never materialised.
         """
+        return self.hidden_and_stats(tokens_BL, positions_BL, segment_ids_BL, part)[0]
+
+    def hidden_and_stats(self, tokens_BL, positions_BL=None, segment_ids_BL=None, part: Partitioning = Partitioning(),
+                         router_bias=None):
+        """(`hidden`, the MoE layers' routing statistics stacked [moe layers, ...], or {} when dense).
+
+        `router_bias` [moe layers, E]: the train state's `moe.router_bias` (zeros when None).
+        """
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
         x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "act_length", "act_embed"))
 
-        graphdef, layers = nnx.split(self.blocks)
         # Under a pipeline that rematerialises its iterations, model.remat's policy applies to each
         # iteration (MaxText's default), not to each layer too: nested checkpoints would run every
         # layer's forward pass three times (forward, the iteration's recompute, the layer's).
         iteration_remat = part.schedule is not None and part.schedule.remat_iterations
         per_layer_remat = cfg.remat != "none" and not iteration_remat
 
-        def stack(x_BLD, positions_BL, segment_ids_BL, layers, part):
-            """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's."""
-            def layer(x_BLD, one_layer):
-                return nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype, part), None
+        def runner(graphdef):
+            def stack(x_BLD, positions_BL, segment_ids_BL, layers, part, biases=None):
+                """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's.
+                With `biases` (MoE layers) -> (x, stacked statistics); else x."""
+                def layer(x_BLD, xs):
+                    one_layer, bias = xs
+                    out = nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype, part, bias)
+                    return out if biases is not None else (out, None)
 
-            if per_layer_remat:
-                layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
-            if cfg.scan_layers:
-                return jax.lax.scan(layer, x_BLD, layers)[0]
-            for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
-                x_BLD, _ = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], layers))
-            return x_BLD
+                if per_layer_remat:
+                    layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
+                if cfg.scan_layers:
+                    x_BLD, stats = jax.lax.scan(layer, x_BLD, (layers, biases))
+                else:
+                    outs = []
+                    for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
+                        x_BLD, s = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], (layers, biases)))
+                        outs.append(s)
+                    stats = None if biases is None else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+                return x_BLD if biases is None else (x_BLD, stats)
+            return stack
 
-        if part.schedule is None:
-            x_BLD = stack(x_BLD, positions_BL, segment_ids_BL, layers, part)
+        stats = {}
+        if hasattr(self, "dense_blocks"):
+            graphdef, layers = nnx.split(self.dense_blocks)
+            x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
+        graphdef, layers = nnx.split(self.blocks)
+        if cfg.num_experts > 0:  # MoE layers (never under a pipeline: config.validate_moe)
+            if router_bias is None:
+                router_bias = jnp.zeros((jax.tree_util.tree_leaves(layers)[0].shape[0], cfg.num_experts), jnp.float32)
+            x_BLD, stats = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part, router_bias)
+        elif part.schedule is None:
+            x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
         else:  # mesh.stage > 1: the layers run as pipeline stages
-            x_BLD = pipeline.run(stack, nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
+            x_BLD = pipeline.run(runner(graphdef), nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
                                  segment_ids_BL, part, remat_policy=remat_policy(cfg.remat))
 
-        return self.final_norm(x_BLD)
+        return self.final_norm(x_BLD), stats
 
 
 def logical_axes(params_state: nnx.State) -> dict:
@@ -309,7 +349,17 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array, dtype: Any, part: Pa
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in matmuls per token (all but the embedding lookup and norms)."""
+    """Parameters that take part in matmuls per token (all but the embedding lookup and norms).
+
+    For a mixture of experts: the *active* ones, the router, the k chosen experts and the shared
+    experts of each MoE layer (what a token's FLOPs count), not every expert's weights.
+    """
     D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    per_layer = D * H * (2 * N + 2 * K) + 3 * D * F
-    return cfg.num_layers * per_layer + D * cfg.vocab_size
+    attention = D * H * (2 * N + 2 * K)
+    if cfg.num_experts <= 0:
+        return cfg.num_layers * (attention + 3 * D * F) + D * cfg.vocab_size
+    Fe = cfg.moe_mlp_dim or F
+    dense = cfg.first_dense_layers
+    moe_mlp = D * cfg.num_experts + 3 * D * Fe * (cfg.experts_per_token + cfg.num_shared_experts)
+    return (dense * (attention + 3 * D * F) + (cfg.num_layers - dense) * (attention + moe_mlp)
+            + D * cfg.vocab_size)

@@ -250,7 +250,45 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
                                   "ring_permute_ratio": permute / ring if ring else None})
     if mem is not None:
         report["activation_bytes_per_device"] = mem.temp_size_in_bytes
+    if cfg.model.num_experts > 0:
+        report["moe"] = moe_report(cfg, sizes, params, report["collectives"].get("all-to-all", 0.0))
     return report
+
+
+def moe_report(cfg: Config, mesh_sizes: dict[str, int], parameters: dict, all_to_all_bytes: float) -> dict:
+    """Mixture of experts: the dispatch, expert weights per device, all-to-all bytes vs theory.
+
+    Theory (dense all-to-all of the capacity buffer, jaxtrain/parallel/experts.py): each MoE layer
+    sends a group's [E, C, D] buffer out and back in the forward pass and twice again in the
+    backward pass (twice more when `model.remat` recomputes the forward), each time
+    buffer x (ep-1)/ep wire bytes per device, per grad-accumulation microbatch.
+    """
+    import jax.numpy as jnp
+
+    from jaxtrain.parallel.experts import capacity, dispatch_kind
+    from jaxtrain.train.precision import compute_dtype
+
+    m, d = cfg.model, cfg.data
+    rules = cfg.mesh.rules
+
+    def ways(name: str) -> int:
+        entry = logical_to_spec((name,), rules)[0]
+        entries = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        return math.prod(mesh_sizes[a] for a in entries)
+
+    ep = ways("experts")
+    tokens = d.global_batch_size // cfg.train.grad_accum // ways("batch") * d.seq_len  # one group's
+    C = capacity(tokens, m.experts_per_token, m.num_experts, m.capacity_factor)
+    buffer = m.num_experts * C * m.d_model * jnp.dtype(compute_dtype(cfg)).itemsize
+    passes = 4 + (2 if m.remat != "none" else 0)
+    layers = m.num_layers - m.first_dense_layers
+    theory = (passes * layers * cfg.train.grad_accum * buffer * (ep - 1) / ep) if ep > 1 else 0.0
+    expert_bytes = sum(p["bytes_per_device"] for p in parameters.values() if "experts" in p["logical"])
+    return {"dispatch": dispatch_kind(m.capacity_factor, ep), "expert_ways": ep, "group_tokens": tokens,
+            "capacity_per_expert": C if (m.capacity_factor > 0 or ep > 1) else None,
+            "expert_weight_bytes_per_device": expert_bytes, "all_to_all_bytes": all_to_all_bytes,
+            "all_to_all_bytes_theory": theory,
+            "all_to_all_ratio": all_to_all_bytes / theory if theory else None}
 
 
 def collective_theory(parameters: dict, mesh_sizes: dict[str, int], rules: dict) -> float:
@@ -304,6 +342,12 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
     lines.append(f"  {'total':<20} {'':>6}      {report['collective_bytes_total'] / 2**20:>10.2f} MiB   theory for the "
                  f"layout (parameters + gradients) {report['collective_bytes_theory'] / 2**20:.2f} MiB"
                  + (f", ratio {ratio:.2f}" if ratio is not None else ""))
+    moe = report.get("moe")
+    if moe is not None:
+        lines.append(f"moe: dispatch {moe['dispatch']}, expert parallelism {moe['expert_ways']}, "
+                     f"{moe['group_tokens']} tokens per group, capacity {moe['capacity_per_expert']}; expert weights "
+                     f"{moe['expert_weight_bytes_per_device'] / 2**30:.3f} GiB per device; all-to-all "
+                     f"{moe['all_to_all_bytes'] / 2**20:.2f} MiB, theory {moe['all_to_all_bytes_theory'] / 2**20:.2f} MiB")
     if per_parameter:
         lines.append("parameters (logical axes -> PartitionSpec, bytes per device):")
         for name, p in report["parameters"].items():

@@ -1,4 +1,4 @@
-"""The device mesh (axes data, stage, fsdp, tensor) and the phase-2 checks that need devices.
+"""The device mesh (axes data, stage, fsdp, expert, context, tensor) and the phase-2 checks that need devices.
 
 Device order follows the hardware (docs: README "Configs and parallelism"):
 - one TPU slice, however many hosts it spans: JAX's topology-aware `create_device_mesh`, so the
@@ -27,11 +27,11 @@ from jax.sharding import Mesh
 from jaxtrain.config import Config, ConfigError, MeshConfig, validate_context, validate_pipeline
 from jaxtrain.parallel.mesh_shape import AXES, resolve_mesh_shape  # JAX-free: the launcher uses them too
 
-DCN_AXES = ("data", "stage", "fsdp", "context")  # axes that may span the slow network (mesh.dcn_<axis>)
+DCN_AXES = ("data", "stage", "fsdp", "expert", "context")  # axes that may span the slow network (mesh.dcn_<axis>)
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
-    """A `Mesh` over `devices` (default: all) with axes (data, stage, fsdp, tensor).
+    """A `Mesh` over `devices` (default: all) with axes (data, stage, fsdp, expert, context, tensor).
 
     Raises:
       ConfigError: mesh sizes that do not fit the devices, or `mesh.dcn_*` that do not multiply
@@ -43,7 +43,7 @@ def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Me
 
 
 def device_grid(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
-    """The devices as an array of shape (data, stage, fsdp, tensor) in hardware order (module doc).
+    """The devices as an array of shape (data, stage, fsdp, expert, context, tensor) in hardware order (module doc).
 
     Works on anything with `platform`, `device_kind`, `id`, `process_index` and, on TPU, `coords`,
     `core_on_chip` and `slice_index` (tests pass fake devices to play multi-host topologies).

@@ -11,7 +11,7 @@ import math
 
 from jaxtrain.config import ConfigError, MeshConfig
 
-AXES = ("data", "stage", "fsdp", "context", "tensor")
+AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 
 
 def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:

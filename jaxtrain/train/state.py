@@ -62,9 +62,12 @@ class StateLayout:
         cfg = self.cfg
         model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.run.seed), dtype=compute_dtype(cfg))
         params = nnx.to_pure_dict(nnx.state(model))
-        return {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
-                "rng": jax.random.key_data(jax.random.key(cfg.run.seed)),
-                "loss_scale": init_loss_scale(cfg), "stability": init_statistics(cfg.stability.window)}
+        state = {"step": jnp.int32(0), "params": params, "opt_state": self.optimizer.init(params),
+                 "rng": jax.random.key_data(jax.random.key(cfg.run.seed)),
+                 "loss_scale": init_loss_scale(cfg), "stability": init_statistics(cfg.stability.window)}
+        if cfg.model.num_experts > 0:
+            state["moe"] = init_moe_state(cfg)
+        return state
 
     def compiled_init(self) -> jax.stages.Compiled:
         """The initialisation, compiled lean: it runs once, so on the CPU without the YNNPACK fusions
@@ -125,6 +128,13 @@ class StateLayout:
         return self.jit_train_step(wrap=wrap).lower(self.abstract_state(), self.abstract_batch())
 
 
+def init_moe_state(cfg: Config) -> dict:
+    """The MoE routing bias [MoE layers, E], zero at the start: train state, not a parameter
+    (no gradient, no optimizer state), checkpointed with the rest (jaxtrain/model/moe.py)."""
+    m = cfg.model
+    return {"router_bias": jnp.zeros((m.num_layers - m.first_dense_layers, m.num_experts), jnp.float32)}
+
+
 def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     """Abstract model -> logical axes -> shardings. Nothing is allocated.
 
@@ -145,6 +155,8 @@ def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     state_shardings = {"step": replicated, "params": shardings, "opt_state": opt_shardings, "rng": replicated,
                        "loss_scale": {"scale": replicated, "good_steps": replicated},
                        "stability": {k: replicated for k in init_statistics()}}
+    if cfg.model.num_experts > 0:
+        state_shardings["moe"] = {"router_bias": replicated}
     num_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract_params))
     return StateLayout(cfg=cfg, mesh=mesh, graphdef=graphdef, logical=logical, param_shardings=shardings,
                        state_shardings=state_shardings, batch_sharding=batch_sharding(mesh, cfg.mesh.rules),

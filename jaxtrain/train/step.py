@@ -47,6 +47,13 @@ def partitioning(cfg: Config, mesh: Mesh | None, rules: Rules | None) -> Partiti
 def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 0.0,
              part: Partitioning = Partitioning(), grad_scale: jax.Array | float = 1.0
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    objective, (ce, z, count, _) = loss_terms(params, graphdef, batch, z_loss, part, grad_scale)
+    return objective, (ce, z, count)
+
+
+def loss_terms(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 0.0,
+               part: Partitioning = Partitioning(), grad_scale: jax.Array | float = 1.0, router_bias: Any = None
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, dict]]:
     """(objective sum, (cross-entropy sum, z-loss sum, counted tokens)) for one (micro)batch.
 
     The objective is the cross-entropy plus `z_loss` x logsumexp(logits)**2 (PaLM's z-loss, which
@@ -57,11 +64,24 @@ def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 
     softmax gradient is rounded to the compute dtype (see `fused_loss`); it changes no value.
     """
     model = nnx.merge(graphdef, params)
-    x_BLD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], part)
+    x_BLD, moe_stats = model.hidden_and_stats(batch["tokens"], batch["positions"], batch["segment_ids"], part,
+                                              router_bias)
     mask = batch["loss_mask"].astype(jnp.float32)
     objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss, part=part,
                                   grad_scale=grad_scale)
-    return objective, (ce, z, jnp.sum(mask))
+    return objective, (ce, z, jnp.sum(mask), moe_stats)
+
+
+def moe_losses(cfg: Config, stats: dict) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, router z-loss) of one (micro)batch: weight x the sum over MoE layers."""
+    m = cfg.model
+    return m.moe_aux_loss * jnp.sum(stats["balance"]), m.router_z_loss * jnp.sum(stats["z"])
+
+
+def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's aux-loss-free balancing: each expert's bias moves by `rate` toward balance,
+    bias + rate x sign(mean load - load), per layer ([layers, E])."""
+    return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
 def split_microbatches(batch: Batch, n: int, part: Partitioning = Partitioning()) -> Batch:
@@ -126,11 +146,20 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     # A pipeline schedule may fold the accumulation microbatches into one pass (pipeline.fold_grad_accum).
     accum = pipeline.accumulation_steps(cfg.train.grad_accum, part.schedule)
 
-    def scaled_loss(params, batch, grad_scale, inject):
-        objective, aux = loss_sum(params, graphdef, batch, z_loss, part, grad_scale)
+    moe = cfg.model.num_experts > 0
+
+    def scaled_loss(params, batch, grad_scale, inject, moe_scale, router_bias):
+        objective, (ce, z, n, stats) = loss_terms(params, graphdef, batch, z_loss, part, grad_scale, router_bias)
         # What is differentiated: the mean loss times the loss scale (fp16; grad_scale = scale / the
-        # global count of counted tokens), times the chaos drill's factor.
-        return objective * grad_scale * inject, aux
+        # global count of counted tokens), times the chaos drill's factor. MoE losses are means
+        # already: each microbatch adds its own times scale / microbatches (their mean over them).
+        total = objective * grad_scale
+        if moe:
+            balance, router_z = moe_losses(cfg, stats)
+            total = total + (balance + router_z) * moe_scale
+            stats = {"moe_aux_loss": balance, "router_z_loss": router_z, "load": stats["load"],
+                     "dropped": jnp.sum(stats["dropped"]), "assigned": jnp.sum(stats["assigned"])}
+        return total * inject, (ce, z, n, stats)
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -149,17 +178,25 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         # the fp16 overflow threshold of a given scale) does not depend on tokens per step.
         denom = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         grad_scale = scale / denom
+        moe_scale = scale / accum
+        router_bias = state["moe"]["router_bias"] if moe else None
         if accum == 1:
-            (_, (ce, z, tokens)), grads = grad_fn(params, batch, grad_scale, inject)
+            (_, (ce, z, tokens, moe_stats)), grads = grad_fn(params, batch, grad_scale, inject, moe_scale, router_bias)
         else:
             def micro(carry, mb):
-                (_, (c, zz, n)), g = grad_fn(params, mb, grad_scale, inject)
-                ce_acc, z_acc, tok_acc, grad_acc = carry
-                return (ce_acc + c, z_acc + zz, tok_acc + n, jax.tree_util.tree_map(jnp.add, grad_acc, g)), None
+                (_, (c, zz, n, st)), g = grad_fn(params, mb, grad_scale, inject, moe_scale, router_bias)
+                ce_acc, z_acc, tok_acc, st_acc, grad_acc = carry
+                return (ce_acc + c, z_acc + zz, tok_acc + n, jax.tree_util.tree_map(jnp.add, st_acc, st),
+                        jax.tree_util.tree_map(jnp.add, grad_acc, g)), None
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-            (ce, z, tokens, grads), _ = jax.lax.scan(
-                micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), zeros), split_microbatches(batch, accum, part))
+            stats0 = {}
+            if moe:
+                stats0 = {k: jnp.float32(0) for k in ("moe_aux_loss", "router_z_loss", "dropped", "assigned")}
+                stats0["load"] = jnp.zeros(router_bias.shape, jnp.float32)
+            (ce, z, tokens, moe_stats, grads), _ = jax.lax.scan(
+                micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), stats0, zeros),
+                split_microbatches(batch, accum, part))
         if scaling:
             grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
         loss = ce * inject / denom  # what a drill injected shows in the loss too
@@ -191,13 +228,24 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
                      "rng": advance_rng(state["rng"], state["step"]),
                      "loss_scale": update_loss_scale(cfg, state["loss_scale"], finite),
                      "stability": update_statistics(cfg, stats, loss, grad_norm, ~skip) if guard else stats}
+        moe_metrics = {}
+        if moe:  # the routing bias: outside the optimizer, kept on a skipped step like everything else
+            rate = cfg.model.router_bias_update_rate
+            bias = state["moe"]["router_bias"]
+            moved = update_router_bias(bias, moe_stats["load"], rate) if rate > 0 else bias
+            new_state["moe"] = {"router_bias": jnp.where(skip, bias, moved)}
+            load = moe_stats["load"]
+            moe_metrics = {"moe_aux_loss": moe_stats["moe_aux_loss"] / accum,
+                           "router_z_loss": moe_stats["router_z_loss"] / accum,
+                           "moe_max_load": jnp.max(load / jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)),
+                           "moe_dropped_fraction": moe_stats["dropped"] / jnp.maximum(moe_stats["assigned"], 1.0)}
         # The rate this update used (the optimizer's count, which skipped steps do not advance).
         learning_rate = applied_learning_rate(schedule, state["opt_state"])
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
                    "loss_scale": state["loss_scale"]["scale"], "next_loss_scale": new_state["loss_scale"]["scale"],
                    "skipped": skip, "nonfinite": ~finite, "spike": spike_flag, "loss_z": spike["loss_z"],
                    "grad_norm_z": spike["grad_norm_z"], "z_loss": z / denom,
-                   "skipped_steps": new_state["stability"]["skipped_steps"]}
+                   "skipped_steps": new_state["stability"]["skipped_steps"], **moe_metrics}
         return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 
     return step
@@ -212,6 +260,6 @@ def make_eval_step(graphdef: nnx.GraphDef, part: Partitioning = Partitioning()
     """
     def eval_step(params, batch):
         batch = context.permute_batch(batch, part.context)
-        _, (ce, _, tokens) = loss_sum(params, graphdef, batch, part=part)
+        _, (ce, _, tokens) = loss_sum(params, graphdef, batch, part=part)  # MoE: zero routing bias
         return ce, tokens
     return eval_step

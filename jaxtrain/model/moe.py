@@ -1,0 +1,110 @@
+"""Mixture-of-experts MLP: a router, routed SwiGLU experts, optional always-on shared experts.
+
+Shape suffixes as in llama.py, plus E experts, k experts per token, F each expert's hidden size.
+
+Routing (`route`), in fp32 whatever the compute dtype:
+- `softmax` (Mixtral): probabilities softmax(logits); the top-k are chosen on probabilities + bias
+  and, for k > 1, renormalised over the chosen k (for k = 1 the gate is the raw probability, as in
+  Switch, so the task loss still reaches the router).
+- `sigmoid` (DeepSeek-V3): scores sigmoid(logits); the top-k are chosen on scores + bias; the gates
+  are the chosen scores over their sum.
+The routing bias (`[E]` per layer, the train state's `moe.router_bias`, not a parameter) only
+chooses experts: it never weights an output, so no gradient reaches it; the train step moves it by
+`model.router_bias_update_rate` x sign(mean load - load) (DeepSeek-V3's aux-loss-free balancing).
+
+Each layer returns statistics beside its output (`stats`): the Switch load-balancing term
+E * sum_i f_i P_i (f_i: the fraction of the T x k assignments sent to expert i, P_i: its mean
+routing probability; 1 at perfect balance), the router z-loss mean(logsumexp(logits)**2), the
+load per expert and the dropped assignments. They are taken over the whole batch (global f_i and
+P_i), so they do not depend on how the batch is split over devices.
+
+The dispatch itself (capacity-padded or dropless, with or without expert parallelism) lives in
+`jaxtrain.parallel.experts`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.projection import project
+from jaxtrain.parallel.experts import routed_experts
+from jaxtrain.parallel.sharding import Partitioning
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple, std: float) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=names)
+
+
+def expert_dim(cfg: ModelConfig) -> int:
+    """Each routed expert's SwiGLU hidden size."""
+    return cfg.moe_mlp_dim or cfg.mlp_dim
+
+
+def route(logits_TE: jax.Array, bias_E: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(experts [..., k] int32, gates [..., k] fp32, probabilities [..., E] fp32) from fp32 logits.
+
+    The probabilities are what the load-balancing loss's P_i averages (sigmoid scores normalised
+    over the experts for `sigmoid`).
+    """
+    if router == "softmax":
+        probs = jax.nn.softmax(logits_TE, axis=-1)
+        scores = probs
+    else:
+        scores = jax.nn.sigmoid(logits_TE)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    _, experts = jax.lax.top_k(jax.lax.stop_gradient(scores) + jax.lax.stop_gradient(bias_E), k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if router == "sigmoid" or k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), gates, probs
+
+
+def routing_stats(logits: jax.Array, experts: jax.Array, probs: jax.Array, num_experts: int) -> dict:
+    """The layer's statistics (module doc), over every token of `logits` [..., E]."""
+    E = num_experts
+    load_E = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=tuple(range(experts.ndim)))
+    f_E = load_E / experts.size
+    P_E = jnp.mean(probs.reshape(-1, E), axis=0)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return {"balance": E * jnp.sum(f_E * P_E), "z": z, "load": load_E}
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts [E, D, F] (+ shared experts): `moe(x_BLD, dtype, part, bias_E) -> (y_BLD, stats)`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, E, F = cfg.d_model, cfg.num_experts, expert_dim(cfg)
+        down_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.router = _param(rngs, (D, E), ("embed", None), cfg.init_std)
+        self.w_gate = _param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (E, F, D), ("experts", "moe_mlp", "embed"), down_std)
+        if cfg.num_shared_experts:
+            S = cfg.num_shared_experts * F
+            self.shared_gate = _param(rngs, (D, S), ("embed", "mlp"), cfg.init_std)
+            self.shared_up = _param(rngs, (D, S), ("embed", "mlp"), cfg.init_std)
+            self.shared_down = _param(rngs, (S, D), ("mlp", "embed"), down_std)
+        self.k, self.router_kind, self.num_experts = cfg.experts_per_token, cfg.moe_router, E
+        self.capacity_factor, self.shared = cfg.capacity_factor, cfg.num_shared_experts
+
+    def __call__(self, x_BLD: jax.Array, dtype: Any, part: Partitioning, bias_E: jax.Array) -> tuple[jax.Array, dict]:
+        logits_BLE = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...])
+        logits_BLE = part.constrain(logits_BLE, ("batch", "length", None))
+        experts_BLk, gates_BLk, probs_BLE = route(logits_BLE, bias_E, self.k, self.router_kind)
+        stats = routing_stats(logits_BLE, experts_BLk, probs_BLE, self.num_experts)
+        y_BLD, dropped = routed_experts(x_BLD, experts_BLk, gates_BLk, self.w_gate[...], self.w_up[...],
+                                        self.w_down[...], self.capacity_factor, dtype, part)
+        stats["dropped"] = dropped
+        stats["assigned"] = jnp.float32(experts_BLk.size)
+        if self.shared:
+            gate_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.shared_gate[...], dtype), "mlpwi_0")
+            up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.shared_up[...], dtype), "mlpwi_1")
+            h_BLF = part.constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
+            y_BLD = y_BLD + checkpoint_name(project("blf,fd->bld", h_BLF, self.shared_down[...], dtype), "mlpwo")
+        return y_BLD.astype(x_BLD.dtype), stats
