@@ -151,3 +151,21 @@ def test_a_bad_context_config_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "data.seq_len=24 is not divisible by 16 (context.order=zigzag" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_inspect_reports_the_ring_bytes_beside_their_theory():
+    """`jaxtrain inspect`'s report: the schedule, the compiled collective-permute bytes within 2% of
+    `ring_bytes_theory` (XLA may merge the two backward hops of identical segment ids), and the
+    temporaries per device."""
+    from jaxtrain.observe.inspection import inspect_report
+    small = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "data.seq_len=64",
+             "data.global_batch_size=2", "mesh.data=2", "mesh.context=4", "model.attention=xla",
+             "checkpoint.compilation_cache_dir=null"]
+    report = inspect_report(load_config(None, small), jax.devices()[:8])
+    ctx = report["context"]
+    assert (ctx["size"], ctx["attention"], ctx["order"], ctx["chunk_len"]) == (4, "ring", "zigzag", 8)
+    assert ctx["chunk_pairs_per_device_max_over_mean"] == 1.0
+    assert ctx["ring_permute_bytes_theory"] > 0
+    assert 0.98 <= ctx["ring_permute_ratio"] <= 1.0, ctx
+    assert report["activation_bytes_per_device"] > 0
