@@ -232,17 +232,6 @@ def test_bad_moe_configs_are_config_errors():
             load_config(None, overrides)
 
 
-def test_hugging_face_refuses_mixture_of_experts_by_name(tmp_path):
-    from jaxtrain.config import save_config
-    from jaxtrain.hf.exporter import export_hf
-    from jaxtrain.hf.mapping import model_section_from_hf
-    save_config(load_config("configs/moe-tiny.yaml"), tmp_path / "config.yaml")
-    with pytest.raises(ConfigError, match="mixture of experts.*MixtralForCausalLM export is not built"):
-        export_hf(str(tmp_path), str(tmp_path / "out"))
-    with pytest.raises(ConfigError, match="'model_type'='mixtral' is not supported"):
-        model_section_from_hf({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]})
-
-
 def test_flops_count_active_parameters():
     from jaxtrain.observe.throughput import flops_per_step
     moe = load_config("configs/moe-tiny.yaml", ["model.num_shared_experts=1"])
