@@ -45,7 +45,7 @@ SHARED_WORKER = textwrap.dedent("""
     # data=4 x tensor=2: data 0 and 1 pair a device of each process, data 2 is process 0's only,
     # data 3 process 1's only. Process 0 holds batch shards 0, 1, 2; process 1 holds 0, 1, 3.
     grid = np.array([[a[0], b[0]], [a[1], b[1]], [a[2], a[3]], [b[2], b[3]]], dtype=object)
-    mesh = Mesh(grid.reshape(4, 1, 1, 2), AXES)
+    mesh = Mesh(grid.reshape(tuple({"data": 4, "tensor": 2}.get(a, 1) for a in AXES)), AXES)
     rows = process_rows(mesh, cfg.mesh.rules, cfg.data.global_batch_size, jax.process_index())
     quarter = cfg.data.global_batch_size // 4
     want = [0, 1, 2] if jax.process_index() == 0 else [0, 1, 3]
