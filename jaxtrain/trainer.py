@@ -343,7 +343,7 @@ class Trainer:
         if self.evaluator.due(self._host_step):
             t = time.perf_counter()
             with self._waiting():
-                evaluation = self.evaluator.dispatch(self.state["params"])
+                evaluation = self.evaluator.dispatch(self.state["params"], router_bias=self._router_bias())
             eval_s = time.perf_counter() - t
         return _Pending(self._host_step, metrics, wait, evaluation, eval_s, batch=position)
 
@@ -419,7 +419,7 @@ class Trainer:
 
     def evaluate(self, num_batches: int | None = None) -> float | None:
         """Mean loss per token of the current parameters on the held-out data, or None without one."""
-        return self.evaluator.evaluate(self.state["params"], num_batches)
+        return self.evaluator.evaluate(self.state["params"], num_batches, self._router_bias())
 
     def model(self) -> Transformer:
         """A model holding a copy of the current parameters (for inference in a notebook).
@@ -570,6 +570,10 @@ class Trainer:
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
                        **self._moe_start())
         self.throughput.restart(self._host_step)
+
+    def _router_bias(self):
+        """The MoE routing bias of the state (None for a dense model)."""
+        return self.state["moe"]["router_bias"] if "moe" in self.state else None
 
     def _moe_start(self) -> dict:
         """The `start` event's `moe_dispatch` (model.num_experts > 0): which dispatch the MoE layers run

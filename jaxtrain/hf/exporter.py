@@ -131,9 +131,6 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
     else:
         run = os.path.abspath(os.path.expanduser(run_dir))
     cfg = _load_run_config(run, run_dir)
-    if cfg.model.num_experts > 0:
-        raise ConfigError(f"export-hf: '{run_dir}' is a mixture of experts (model.num_experts={cfg.model.num_experts}); "
-                          "only LlamaForCausalLM is exported: MixtralForCausalLM export is not built (docs/moe.md)")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     max_bytes = parse_size(max_shard_size)

@@ -104,12 +104,15 @@ def model_section_from_hf(hf: dict) -> dict:
       ConfigError: a field the jaxtrain model cannot represent, named (model_type, hidden_act,
         attention_bias, mlp_bias, attention_dropout, rope type, quantization, ...).
     """
-    if hf.get("model_type") != "llama":
+    mixtral = hf.get("model_type") == "mixtral"
+    if hf.get("model_type") not in ("llama", "mixtral"):
         raise ConfigError(f"config.json field 'model_type'={hf.get('model_type')!r} is not supported "
-                          "(only 'llama' checkpoints can be imported)")
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if list(archs) != ["LlamaForCausalLM"]:
-        raise ConfigError(f"config.json field 'architectures'={archs!r} is not supported (only LlamaForCausalLM)")
+                          "(only 'llama' and 'mixtral' checkpoints can be imported)")
+    arch = "MixtralForCausalLM" if mixtral else "LlamaForCausalLM"
+    archs = hf.get("architectures") or [arch]
+    if list(archs) != [arch]:
+        raise ConfigError(f"config.json field 'architectures'={archs!r} is not supported (model_type "
+                          f"{hf.get('model_type')!r}: only {arch})")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"config.json field 'hidden_act'={hf.get('hidden_act')!r} is not supported "
                           "(jaxtrain's MLP is SwiGLU: silu)")
@@ -144,7 +147,29 @@ def model_section_from_hf(hf: dict) -> dict:
     }
     if isinstance(hf.get("initializer_range"), (int, float)) and hf["initializer_range"] > 0:
         section["init_std"] = float(hf["initializer_range"])
+    if mixtral:
+        section.update(_moe_from_hf(hf, section["mlp_dim"]))
     return section
+
+
+def _moe_from_hf(hf: dict, mlp_dim: int) -> dict:
+    """The MoE keys of a Mixtral config.json (softmax top-k, renormalised over the k)."""
+    if hf.get("sliding_window") is not None:
+        raise ConfigError(f"config.json field 'sliding_window'={hf['sliding_window']!r} is not supported "
+                          "(jaxtrain's attention is full causal; null)")
+    if hf.get("router_jitter_noise") not in (None, 0, 0.0):
+        raise ConfigError(f"config.json field 'router_jitter_noise'={hf['router_jitter_noise']!r} is not "
+                          "supported (jaxtrain's router has no jitter; 0.0)")
+    k = _int_field(hf, "num_experts_per_tok")
+    if k == 1:
+        raise ConfigError("config.json field 'num_experts_per_tok'=1 is not supported: Mixtral renormalises a "
+                          "single gate to 1, jaxtrain's top-1 keeps the probability (Switch)")
+    out = {"num_experts": _int_field(hf, "num_local_experts"), "experts_per_token": k,
+           "moe_mlp_dim": mlp_dim, "moe_router": "softmax", "capacity_factor": 0.0}
+    coef = hf.get("router_aux_loss_coef")
+    if isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef >= 0:
+        out["moe_aux_loss"] = float(coef)
+    return out
 
 
 def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = None) -> dict:
@@ -176,6 +201,18 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
         "attention_dropout": 0.0, "initializer_range": m.init_std, "use_cache": True,
         "dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype],
     }
+    if m.num_experts > 0:
+        refused = {"model.moe_router": m.moe_router != "softmax", "model.num_shared_experts": m.num_shared_experts,
+                   "model.first_dense_layers": m.first_dense_layers, "model.experts_per_token=1": m.experts_per_token == 1}
+        named = [k for k, v in refused.items() if v]
+        if named:
+            raise ConfigError(f"export-hf: MixtralForCausalLM cannot represent {', '.join(named)} "
+                              "(softmax top-k > 1 routed experts in every layer, no shared experts)")
+        out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                    "intermediate_size": m.moe_mlp_dim or m.mlp_dim, "num_local_experts": m.num_experts,
+                    "num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.moe_aux_loss,
+                    "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False})
+        out.pop("mlp_bias")
     for k in _CARRIED_FIELDS:
         if carried and k in carried:
             out[k] = carried[k]
@@ -214,6 +251,10 @@ _TOP: dict[str, tuple[str, _Convert, _Convert]] = {
 }
 
 
+MOE = "block_sparse_moe"  # Mixtral's module name in its checkpoint files (transformers 4 and 5 alike)
+_EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}  # jaxtrain [E, D, F] / [E, F, D] <- HF [out, in] per expert
+
+
 def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a LlamaForCausalLM checkpoint of this shape holds, with its shape, in
     transformers' order (embedding, layers, final norm, head)."""
@@ -222,6 +263,16 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
                  "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
                  "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    if m.num_experts > 0:  # Mixtral's files: block_sparse_moe.gate [E, D], experts.j.w1/w3 [F, D], w2 [D, F]
+        Fe = m.moe_mlp_dim or F
+        mlp = {k: per_layer.pop(k) for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        del mlp
+        norms = {k: per_layer.pop(k) for k in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+        per_layer[f"{MOE}.gate.weight"] = (m.num_experts, D)
+        for e in range(m.num_experts):
+            per_layer.update({f"{MOE}.experts.{e}.w1.weight": (Fe, D), f"{MOE}.experts.{e}.w2.weight": (D, Fe),
+                              f"{MOE}.experts.{e}.w3.weight": (Fe, D)})
+        per_layer.update(norms)
     shapes = {"model.embed_tokens.weight": (V, D)}
     for i in range(m.num_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
@@ -243,7 +294,10 @@ def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
         return np.ascontiguousarray(from_hf(get(name).astype(np.float32), m))
 
     blocks: dict = {}
+    moe = m.num_experts > 0
     for (module, leaf), (suffix, from_hf, _) in _LAYER.items():
+        if moe and module == "mlp":
+            continue
         first = from_hf(get(f"model.layers.0.{suffix}").astype(np.float32), m)
         # Filled layer by layer: the peak is the fp32 model plus one source tensor, not twice the model.
         stacked = np.empty((m.num_layers, *first.shape), np.float32)
@@ -251,6 +305,14 @@ def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
         for i in range(1, m.num_layers):
             stacked[i] = from_hf(get(f"model.layers.{i}.{suffix}").astype(np.float32), m)
         blocks.setdefault(module, {})[leaf] = stacked
+    if moe:
+        L, E = m.num_layers, m.num_experts
+        mlp = blocks.setdefault("mlp", {})
+        mlp["router"] = np.stack([get(f"model.layers.{i}.{MOE}.gate.weight").astype(np.float32).T for i in range(L)])
+        for leaf, w in _EXPERTS.items():
+            mlp[leaf] = np.stack([np.stack([get(f"model.layers.{i}.{MOE}.experts.{e}.{w}.weight").astype(np.float32).T
+                                            for e in range(E)]) for i in range(L)])
+        mlp.update({k: np.ascontiguousarray(v) for k, v in mlp.items()})
     params = {"blocks": blocks, "embed": top("embed"), "final_norm": {"scale": top("final_norm")}}
     if not m.tie_embeddings:
         params["head"] = top("head")
@@ -263,9 +325,18 @@ def hf_tensors_from_params(params: dict, m: ModelConfig) -> Iterator[tuple[str, 
         return np.asarray(x, dtype=np.float32)
 
     yield "model.embed_tokens.weight", host(params["embed"])
-    blocks = {key: host(params["blocks"][key[0]][key[1]]) for key in _LAYER}
+    moe = m.num_experts > 0
+    layer = {key: v for key, v in _LAYER.items() if not (moe and key[0] == "mlp")}
+    blocks = {key: host(params["blocks"][key[0]][key[1]]) for key in layer}
+    experts = {leaf: host(params["blocks"]["mlp"][leaf]) for leaf in (("router", *_EXPERTS) if moe else ())}
     for i in range(m.num_layers):
-        for key, (suffix, _, to_hf) in _LAYER.items():
+        for key, (suffix, _, to_hf) in layer.items():
+            if moe and key == ("attn_norm", "scale"):  # Mixtral's order: attention, router, experts, norms
+                yield f"model.layers.{i}.{MOE}.gate.weight", np.ascontiguousarray(experts["router"][i].T)
+                for e in range(m.num_experts):
+                    for leaf, w in sorted(_EXPERTS.items(), key=lambda kv: kv[1]):
+                        yield (f"model.layers.{i}.{MOE}.experts.{e}.{w}.weight",
+                               np.ascontiguousarray(experts[leaf][i, e].T))
             yield f"model.layers.{i}.{suffix}", np.ascontiguousarray(to_hf(blocks[key][i], m))
     yield "model.norm.weight", host(params["final_norm"]["scale"])
     if not m.tie_embeddings:

@@ -252,14 +252,15 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
 
 
 def make_eval_step(graphdef: nnx.GraphDef, part: Partitioning = Partitioning()
-                   ) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
-    """(params, batch) -> (loss sum, token count) without gradients.
+                   ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """(params, batch[, router_bias]) -> (loss sum, token count) without gradients.
 
     `part`: the mesh, rules and pipeline schedule (`partitioning(cfg, mesh, rules)`); without a
     schedule the layers still compute the same loss, as one scan over stage-sharded weights.
+    `router_bias`: a mixture of experts' routing bias (the state's `moe.router_bias`; zeros when absent).
     """
-    def eval_step(params, batch):
+    def eval_step(params, batch, router_bias=None):
         batch = context.permute_batch(batch, part.context)
-        _, (ce, _, tokens) = loss_sum(params, graphdef, batch, part=part)  # MoE: zero routing bias
+        _, (ce, _, tokens, _) = loss_terms(params, graphdef, batch, part=part, router_bias=router_bias)
         return ce, tokens
     return eval_step

@@ -105,7 +105,9 @@ def test_initial_loss_is_near_ln_vocab_for_every_shipped_config(path):
     from jaxtrain.model.llama import LOGIT_STD
     cfg = load_config(path)
     vocab = min(cfg.model.vocab_size, 4096)
-    cfg = cfg.with_overrides("model.num_layers=1", f"model.vocab_size={vocab}", f"model.mlp_dim={min(cfg.model.mlp_dim, 512)}",
+    # A mixture of experts: its one layer MoE, with narrow experts.
+    moe = ["model.first_dense_layers=0", f"model.moe_mlp_dim={min(cfg.model.moe_mlp_dim, 128)}"] if cfg.model.num_experts else []
+    cfg = cfg.with_overrides(*moe, "model.num_layers=1", f"model.vocab_size={vocab}", f"model.mlp_dim={min(cfg.model.mlp_dim, 512)}",
                              "data.source=markov", "data.path=null", f"data.markov_states={min(64, vocab)}",
                              "data.seq_len=128", "data.global_batch_size=4", "model.attention=xla",
                              "precision.policy=fp32", "train.grad_accum=1")

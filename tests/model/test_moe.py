@@ -205,7 +205,7 @@ def test_bias_balances_a_skewed_router_outside_the_optimizer(tmp_path):
     cfg = load_config("configs/moe-tiny.yaml", [f"run.output_dir={tmp_path}", "checkpoint.compilation_cache_dir=null",
                                                 "model.moe_router=sigmoid", "model.router_bias_update_rate=0.05",
                                                 "model.moe_aux_loss=0", "data.global_batch_size=4",
-                                                "data.seq_len=16", "train.steps=30"])
+                                                "data.seq_len=16", "train.steps=30", "train.eval_every=1000"])
     trainer = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
     state = trainer.state
     assert "moe" not in state["params"] and "router_bias" not in str(jax.tree_util.tree_structure(state["opt_state"]))
@@ -219,6 +219,10 @@ def test_bias_balances_a_skewed_router_outside_the_optimizer(tmp_path):
     assert bias[:, 0].max() < 1.0
     steps = (bias - skew) / 0.05
     assert np.all(np.abs(steps - np.round(steps)) < 1e-4)  # it moved in steps of the rate, nothing else
+    # Evaluation routes with the state's bias too: the same parameters under a zero bias choose other experts.
+    with_bias = trainer.evaluate(1)
+    without = trainer.evaluator.evaluate(trainer.state["params"], 1, jnp.zeros_like(trainer.state["moe"]["router_bias"]))
+    assert with_bias != without
 
 
 def test_bad_moe_configs_are_config_errors():
@@ -230,17 +234,6 @@ def test_bad_moe_configs_are_config_errors():
                              (["model.num_experts=4", "model.moe_aux_loss=-1"], "moe_aux_loss")):
         with pytest.raises(ConfigError, match=words):
             load_config(None, overrides)
-
-
-def test_hugging_face_refuses_mixture_of_experts_by_name(tmp_path):
-    from jaxtrain.config import save_config
-    from jaxtrain.hf.exporter import export_hf
-    from jaxtrain.hf.mapping import model_section_from_hf
-    save_config(load_config("configs/moe-tiny.yaml"), tmp_path / "config.yaml")
-    with pytest.raises(ConfigError, match="mixture of experts.*MixtralForCausalLM export is not built"):
-        export_hf(str(tmp_path), str(tmp_path / "out"))
-    with pytest.raises(ConfigError, match="'model_type'='mixtral' is not supported"):
-        model_section_from_hf({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]})
 
 
 def test_flops_count_active_parameters():
