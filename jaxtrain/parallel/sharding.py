@@ -179,7 +179,7 @@ def check_attention_layout(rules: Rules, mesh_sizes: dict[str, int], implementat
 
     def axes(name: str) -> list[str]:
         target = rules.get(name)
-        found = [a for a in (target if isinstance(target, list) else [target]) if a is not None and mesh_sizes[a] > 1]
+        found = [a for a in (target if isinstance(target, list) else [target]) if a is not None and mesh_sizes.get(a, 1) > 1]
         # A length split over `context` is the context-parallel attention's (jaxtrain.parallel.context):
         # it runs the kernel on whole blocks and combines them.
         return [a for a in found if not (name == "length" and a == "context")]
