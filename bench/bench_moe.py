@@ -16,6 +16,7 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 
@@ -38,10 +39,11 @@ def main() -> None:
 
     common = ["checkpoint.compilation_cache_dir=null", "checkpoint.save_at_end=false", "train.steps=100000",
               "train.log_every=100000", *args.overrides]
-    moe_cfg = load_config("configs/moe-tiny.yaml", ["run.output_dir=/tmp/bench_moe/moe", *common])
+    out = tempfile.mkdtemp(prefix="bench_moe-")  # write_files=False: nothing lands here
+    moe_cfg = load_config("configs/moe-tiny.yaml", [f"run.output_dir={out}/moe", *common])
     m = moe_cfg.model
     active = m.experts_per_token * (m.moe_mlp_dim or m.mlp_dim) + m.num_shared_experts * (m.moe_mlp_dim or m.mlp_dim)
-    dense_cfg = load_config("configs/moe-tiny.yaml", ["run.output_dir=/tmp/bench_moe/dense", *common,
+    dense_cfg = load_config("configs/moe-tiny.yaml", [f"run.output_dir={out}/dense", *common,
                                                       "model.num_experts=0", f"model.mlp_dim={active}"])
     devices = jax.devices()[:args.cpu_devices]
     variants = {"moe": Trainer(moe_cfg, write_files=False, devices=devices),
