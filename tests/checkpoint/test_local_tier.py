@@ -325,7 +325,11 @@ def test_isolation_continues_on_fewer_processes_from_the_persistent_tier(tmp_pat
     fallback = next(x for x in events if x["kind"] == "local_tier_fallback")
     assert "2 processes, now 1" in fallback["reason"], fallback
     assert events[-1]["kind"] == "done" and events[-1]["step"] == STEPS
-    assert (local / "process-1" / "step-6").is_dir() and not (local / "process-0").exists()
+    # What the crashed attempts left (their writes run behind the loop, so which of steps 2-6 got
+    # committed before a crash varies): kept, and nothing newer written there after the isolation.
+    left = [p.name for p in (local / "process-1").iterdir() if p.name.startswith("step-")]
+    assert left and all(int(n[5:].removesuffix(".tmp")) <= 6 for n in left), left
+    assert not (local / "process-0").exists()
 
 
 THREE = ["data.global_batch_size=6"]  # a batch that splits over 3 processes

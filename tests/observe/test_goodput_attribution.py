@@ -61,9 +61,9 @@ def test_a_known_sleep_in_evaluation_lands_in_eval_s_only(tmp_path, monkeypatch)
     sleep, evals = 0.5, 3
     real = Evaluator.dispatch
 
-    def slow(self, params, num_batches=None):
+    def slow(self, params, num_batches=None, router_bias=None):
         time.sleep(sleep)
-        return real(self, params, num_batches)
+        return real(self, params, num_batches, router_bias)
 
     monkeypatch.setattr(Evaluator, "dispatch", slow)
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "model.num_layers=1", "data.global_batch_size=8",

@@ -73,10 +73,11 @@ LAYOUTS = {
 # Relative tolerances (gradients, losses; parameters after 3 steps get 10x): bf16 matmuls round
 # differently when the batch is split otherwise, fp32 agrees to float noise.
 TOLERANCE = {"stage4_data2_circular_bf16_minimal": 2e-2}
-# The first step's gradients agree far closer in bf16 (every leaf within 1.3e-4 of one device's),
-# and a wrong circular layer order shows there at up to 8e-3 (groups placed s*R + r instead of
-# r*S + s: wk 7.8e-3), inside 2e-2: a bf16 layout checked only at 2e-2 cannot see the order.
-GRADIENT_TOLERANCE = {"stage4_data2_circular_bf16_minimal": 1e-3}
+# The first step's gradients agree far closer in bf16 (every leaf within 1.3e-4 of one device's on
+# the AVX-512 development machine, 1.7e-3 on the CI machine: its CPU's bf16 matmuls round
+# otherwise), and a wrong circular layer order shows there at up to 8e-3 (groups placed s*R + r
+# instead of r*S + s: wk 7.8e-3), inside 2e-2: a bf16 layout checked only at 2e-2 cannot see it.
+GRADIENT_TOLERANCE = {"stage4_data2_circular_bf16_minimal": 4e-3}
 
 
 def first_batch(trainer: Trainer) -> dict:
@@ -503,7 +504,7 @@ def test_bad_pipeline_config_is_refused_at_load(overrides, message):
      "model.num_layers=8 is not divisible by mesh.stage=4 x pipeline.repeats=3 = 12"),
     # 16 rows / 8 microbatches = 2 rows, over data=4 inside a stage.
     (["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=8"],
-     "= 2 per pipeline microbatch is not divisible by the 4-way data parallelism inside a stage (data=4 x fsdp=1)"),
+     "= 2 per pipeline microbatch is not divisible by the 4-way data parallelism inside a stage (data=4 x fsdp=1 x expert=1)"),
 ])
 def test_bad_pipeline_layout_is_refused_in_phase_2(overrides, message):
     cfg = load_config(None, BASE + overrides)
