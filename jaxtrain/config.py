@@ -166,7 +166,9 @@ class ModelConfig:
     num_experts: int = 0  # routed SwiGLU experts per MoE layer
     experts_per_token: int = 2  # top-k
     moe_mlp_dim: int = 0  # each expert's hidden size (0 = mlp_dim)
-    moe_every: int = 1  # every k-th layer after first_dense_layers is MoE (only 1 is built)
+    # After first_dense_layers, layer j is MoE when (j + 1) % moe_every == 0: k - 1 dense layers, then
+    # one MoE layer, repeated (Llama 4 / MaxText's interleave_moe_layer_step). 1: every layer.
+    moe_every: int = 1
     first_dense_layers: int = 0  # the first N layers keep a dense MLP (DeepSeek)
     num_shared_experts: int = 0  # always-on experts (one dense SwiGLU of num_shared x moe_mlp_dim) beside the routed ones
     moe_router: Literal["softmax", "sigmoid"] = "softmax"  # softmax top-k (Mixtral) or sigmoid top-k (DeepSeek-V3)
@@ -174,6 +176,11 @@ class ModelConfig:
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss alpha * E * sum_i f_i P_i, per MoE layer
     router_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)**2), per MoE layer
     router_bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate * sign(mean load - load) per step
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers in the stack (0 when dense): one in every `moe_every` after `first_dense_layers`."""
+        return (self.num_layers - self.first_dense_layers) // self.moe_every if self.num_experts > 0 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -746,12 +753,14 @@ def validate_moe(cfg: Config) -> None:
                           f"model.num_experts={m.num_experts}")
     if m.moe_mlp_dim < 0 or m.num_shared_experts < 0:
         raise ConfigError("model.moe_mlp_dim and model.num_shared_experts must be >= 0")
-    if m.moe_every != 1:
-        raise ConfigError(f"model.moe_every={m.moe_every} is not built: every layer after model.first_dense_layers "
-                          "is MoE (moe_every=1)")
     if not 0 <= m.first_dense_layers < m.num_layers:
         raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} must be within [0, model.num_layers="
                           f"{m.num_layers}): at least one layer must be MoE")
+    after = m.num_layers - m.first_dense_layers
+    if m.moe_every < 1 or after % m.moe_every:
+        raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1 and divide the {after} layers after "
+                          f"model.first_dense_layers={m.first_dense_layers} (groups of moe_every - 1 dense layers "
+                          "and one MoE layer)")
     for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
         if not getattr(m, key) >= 0:
             raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(m, key)}")

@@ -203,7 +203,8 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
     }
     if m.num_experts > 0:
         refused = {"model.moe_router": m.moe_router != "softmax", "model.num_shared_experts": m.num_shared_experts,
-                   "model.first_dense_layers": m.first_dense_layers, "model.experts_per_token=1": m.experts_per_token == 1}
+                   "model.first_dense_layers": m.first_dense_layers, "model.moe_every": m.moe_every != 1,
+                   "model.experts_per_token=1": m.experts_per_token == 1}
         named = [k for k, v in refused.items() if v]
         if named:
             raise ConfigError(f"export-hf: MixtralForCausalLM cannot represent {', '.join(named)} "

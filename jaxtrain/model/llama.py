@@ -190,12 +190,15 @@ class Transformer(nnx.Module):
                 return Block(cfg, rngs, moe)
             return make(rngs)
 
-        # A mixture of experts: the first `first_dense_layers` layers dense (`dense_blocks`), the
-        # rest MoE (`blocks`), each its own stack and scan.
+        # A mixture of experts: the first `first_dense_layers` layers dense (`dense_blocks`), then
+        # groups of `moe_every - 1` dense layers (`interleaved_dense_blocks`, stacked group after
+        # group) and one MoE layer (`blocks`), the groups one scan.
         moe = cfg.num_experts > 0
         if moe and cfg.first_dense_layers:
             self.dense_blocks = make_blocks(cfg.first_dense_layers, False)
-        self.blocks = make_blocks(cfg.num_layers - (cfg.first_dense_layers if moe else 0), moe)
+        if moe and cfg.moe_every > 1:
+            self.interleaved_dense_blocks = make_blocks(cfg.num_moe_layers * (cfg.moe_every - 1), False)
+        self.blocks = make_blocks(cfg.num_moe_layers if moe else cfg.num_layers, moe)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
@@ -235,6 +238,17 @@ class Transformer(nnx.Module):
         iteration_remat = part.schedule is not None and part.schedule.remat_iterations
         per_layer_remat = cfg.remat != "none" and not iteration_remat
 
+        def in_order(body, x_BLD, xs):
+            """`body(x, one slice of xs) -> (x, y)` over the leading axis of `xs`: a scan, or unrolled
+            (`model.scan_layers=false`). -> (x, ys stacked)."""
+            if cfg.scan_layers:
+                return jax.lax.scan(body, x_BLD, xs)
+            outs = []
+            for i in range(jax.tree_util.tree_leaves(xs)[0].shape[0]):
+                x_BLD, y = body(x_BLD, jax.tree_util.tree_map(lambda a: a[i], xs))
+                outs.append(y)
+            return x_BLD, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+
         def runner(graphdef):
             def stack(x_BLD, positions_BL, segment_ids_BL, layers, part, biases=None):
                 """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's.
@@ -246,14 +260,7 @@ class Transformer(nnx.Module):
 
                 if per_layer_remat:
                     layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
-                if cfg.scan_layers:
-                    x_BLD, stats = jax.lax.scan(layer, x_BLD, (layers, biases))
-                else:
-                    outs = []
-                    for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
-                        x_BLD, s = layer(x_BLD, jax.tree_util.tree_map(lambda a: a[i], (layers, biases)))
-                        outs.append(s)
-                    stats = None if biases is None else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+                x_BLD, stats = in_order(layer, x_BLD, (layers, biases))
                 return x_BLD if biases is None else (x_BLD, stats)
             return stack
 
@@ -262,9 +269,25 @@ class Transformer(nnx.Module):
             graphdef, layers = nnx.split(self.dense_blocks)
             x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
         graphdef, layers = nnx.split(self.blocks)
-        if cfg.num_experts > 0:  # MoE layers (never under a pipeline: config.validate_moe)
+        if cfg.num_experts > 0 and hasattr(self, "interleaved_dense_blocks"):  # moe_every > 1
             if router_bias is None:
-                router_bias = jnp.zeros((jax.tree_util.tree_leaves(layers)[0].shape[0], cfg.num_experts), jnp.float32)
+                router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
+            dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
+            # [groups * (k - 1), ...] -> [groups, k - 1, ...]: one group's dense layers per scan step.
+            dense = jax.tree_util.tree_map(lambda a: a.reshape(cfg.num_moe_layers, -1, *a.shape[1:]), dense)
+            run_dense, run_moe = runner(dense_graphdef), runner(graphdef)
+
+            def group(x_BLD, xs):
+                dense_layers, moe_layer, bias = xs
+                x_BLD = run_dense(x_BLD, positions_BL, segment_ids_BL, dense_layers, part)
+                one = jax.tree_util.tree_map(lambda a: a[None], (moe_layer, bias))  # a stack of one
+                x_BLD, s = run_moe(x_BLD, positions_BL, segment_ids_BL, one[0], part, one[1])
+                return x_BLD, jax.tree_util.tree_map(lambda a: a[0], s)
+
+            x_BLD, stats = in_order(group, x_BLD, (dense, layers, router_bias))
+        elif cfg.num_experts > 0:  # MoE layers (never under a pipeline: config.validate_moe)
+            if router_bias is None:
+                router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
             x_BLD, stats = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part, router_bias)
         elif part.schedule is None:
             x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
@@ -359,7 +382,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     if cfg.num_experts <= 0:
         return cfg.num_layers * (attention + 3 * D * F) + D * cfg.vocab_size
     Fe = cfg.moe_mlp_dim or F
-    dense = cfg.first_dense_layers
+    moe = cfg.num_moe_layers
     moe_mlp = D * cfg.num_experts + 3 * D * Fe * (cfg.experts_per_token + cfg.num_shared_experts)
-    return (dense * (attention + 3 * D * F) + (cfg.num_layers - dense) * (attention + moe_mlp)
+    return ((cfg.num_layers - moe) * (attention + 3 * D * F) + moe * (attention + moe_mlp)
             + D * cfg.vocab_size)

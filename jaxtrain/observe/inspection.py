@@ -281,7 +281,7 @@ def moe_report(cfg: Config, mesh_sizes: dict[str, int], parameters: dict, all_to
     C = capacity(tokens, m.experts_per_token, m.num_experts, m.capacity_factor)
     buffer = m.num_experts * C * m.d_model * jnp.dtype(compute_dtype(cfg)).itemsize
     passes = 4 + (2 if m.remat != "none" else 0)
-    layers = m.num_layers - m.first_dense_layers
+    layers = m.num_moe_layers
     theory = (passes * layers * cfg.train.grad_accum * buffer * (ep - 1) / ep) if ep > 1 else 0.0
     expert_bytes = sum(p["bytes_per_device"] for p in parameters.values() if "experts" in p["logical"])
     return {"dispatch": dispatch_kind(m.capacity_factor, ep), "expert_ways": ep, "group_tokens": tokens,

@@ -237,35 +237,29 @@ def _local_attention(schedule: ContextSchedule, block_fwd: BlockFwd, block_bwd: 
         qp, qsp, op, lp, dop = _split(q, n), _split(seg, n), _split(o, n), _split(lse, n), _split(do, n)
         dq = [jnp.zeros(x.shape, jnp.float32) for x in qp]
         zeros_kv = jnp.zeros(k.shape, jnp.float32)
+
+        def visit(src, kb, vb, sb, dk, dv):
+            """Add one K/V block's pairs to dq (in place) and to the block's own (dk, dv)."""
+            kp, vp, sp = _split(kb, n), _split(vb, n), _split(sb, n)
+            dkp, dvp = _split(dk, n), _split(dv, n)
+            kind = kinds(idx, src)
+            for a in range(n):
+                for b in range(n):
+                    g = bwd_pair(kind[a][b], qp[a], kp[b], vp[b], op[a], lp[a], dop[a], qsp[a], sp[b])
+                    dq[a], dkp[b], dvp[b] = dq[a] + g[0], dkp[b] + g[1], dvp[b] + g[2]
+            return jnp.concatenate(dkp, axis=1), jnp.concatenate(dvp, axis=1)
+
         if ring:
             dk, dv = zeros_kv, zeros_kv
             kb, vb, sb = k, v, seg
             for step in range(C):
-                src = (idx - step) % C
-                kp, vp, sp = _split(kb, n), _split(vb, n), _split(sb, n)
-                dkp, dvp = _split(dk, n), _split(dv, n)
-                kind = kinds(idx, src)
-                for a in range(n):
-                    for b in range(n):
-                        g = bwd_pair(kind[a][b], qp[a], kp[b], vp[b], op[a], lp[a], dop[a], qsp[a], sp[b])
-                        dq[a], dkp[b], dvp[b] = dq[a] + g[0], dkp[b] + g[1], dvp[b] + g[2]
-                dk, dv = jnp.concatenate(dkp, axis=1), jnp.concatenate(dvp, axis=1)
+                dk, dv = visit((idx - step) % C, kb, vb, sb, dk, dv)
                 if step < C - 1:  # the block moves on; its gradient accumulators with it
                     kb, vb, sb = jax.lax.ppermute((kb, vb, sb), AXIS, perm)
                 dk, dv = jax.lax.ppermute((dk, dv), AXIS, perm)  # C hops: back at the block's owner
         else:
             gk, gv, gs = (jax.lax.all_gather(x, AXIS) for x in (k, v, seg))
-            dks, dvs = [], []
-            for src in range(C):
-                kp, vp, sp = _split(gk[src], n), _split(gv[src], n), _split(gs[src], n)
-                dkp, dvp = _split(zeros_kv, n), _split(zeros_kv, n)
-                kind = kinds(idx, src)
-                for a in range(n):
-                    for b in range(n):
-                        g = bwd_pair(kind[a][b], qp[a], kp[b], vp[b], op[a], lp[a], dop[a], qsp[a], sp[b])
-                        dq[a], dkp[b], dvp[b] = dq[a] + g[0], dkp[b] + g[1], dvp[b] + g[2]
-                dks.append(jnp.concatenate(dkp, axis=1))
-                dvs.append(jnp.concatenate(dvp, axis=1))
+            dks, dvs = zip(*(visit(src, gk[src], gv[src], gs[src], zeros_kv, zeros_kv) for src in range(C)))
             dk = jax.lax.psum_scatter(jnp.stack(dks), AXIS, scatter_dimension=0)
             dv = jax.lax.psum_scatter(jnp.stack(dvs), AXIS, scatter_dimension=0)
         return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)

@@ -132,7 +132,7 @@ def init_moe_state(cfg: Config) -> dict:
     """The MoE routing bias [MoE layers, E], zero at the start: train state, not a parameter
     (no gradient, no optimizer state), checkpointed with the rest (jaxtrain/model/moe.py)."""
     m = cfg.model
-    return {"router_bias": jnp.zeros((m.num_layers - m.first_dense_layers, m.num_experts), jnp.float32)}
+    return {"router_bias": jnp.zeros((m.num_moe_layers, m.num_experts), jnp.float32)}
 
 
 def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:

@@ -227,7 +227,8 @@ def test_bias_balances_a_skewed_router_outside_the_optimizer(tmp_path):
 
 def test_bad_moe_configs_are_config_errors():
     for overrides, words in ((["model.num_experts=4", "model.experts_per_token=5"], "experts_per_token"),
-                             (["model.num_experts=4", "model.moe_every=2"], "moe_every"),
+                             (["model.num_experts=4", "model.num_layers=3", "model.moe_every=2"], "moe_every"),
+                             (["model.num_experts=4", "model.moe_every=0"], "moe_every"),
                              (["model.num_experts=4", "model.first_dense_layers=2"], "first_dense_layers"),
                              (["model.num_experts=4", "mesh.stage=2"], "pipeline"),
                              (["mesh.expert=2"], "num_experts"),
@@ -243,3 +244,57 @@ def test_flops_count_active_parameters():
     dense = load_config("configs/moe-tiny.yaml", ["model.num_experts=0", "model.mlp_dim=192"])
     tokens = 16 * 64
     assert flops_per_step(moe) - flops_per_step(dense) == 6 * 2 * 64 * 8 * tokens
+
+
+@pytest.mark.parametrize("layers, first_dense, every, scan", [(5, 1, 2, True), (6, 0, 3, False)])
+def test_interleaved_moe_layers_run_in_their_order(layers, first_dense, every, scan):
+    """`moe_every=k`: after `first_dense_layers`, k - 1 dense layers then one MoE layer, repeated
+    (5, 1, 2: dense, dense, MoE, dense, MoE). The model's hidden states and per-layer routing
+    statistics equal running each layer's own parameters one at a time in that order."""
+    from jaxtrain.model.llama import Transformer
+    cfg = layer_cfg(num_layers=layers, first_dense_layers=first_dense, moe_every=every, vocab_size=32, num_heads=2,
+                    num_kv_heads=1, head_dim=4, mlp_dim=12, scan_layers=scan, moe_router="sigmoid")
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    groups = (layers - first_dense) // every
+    assert cfg.num_moe_layers == groups
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 7)), jnp.int32)
+    bias = jnp.asarray(rng.normal(size=(groups, E)) * 0.1, jnp.float32)
+    graphdef, state = nnx.split(model)
+    hidden, stats = jax.jit(lambda st: nnx.merge(graphdef, st).hidden_and_stats(tokens, router_bias=bias))(state)
+
+    def layer(stack, i):
+        graphdef, state = nnx.split(stack)
+        return nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: a[i], state))
+
+    order = [("dense", i) for i in range(first_dense)]
+    for g in range(groups):
+        order += [("between", g * (every - 1) + j) for j in range(every - 1)] + [("moe", g)]
+    assert len(order) == layers
+    stacks = {"dense": getattr(model, "dense_blocks", None), "between": getattr(model, "interleaved_dense_blocks", None),
+              "moe": model.blocks}
+    positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), tokens.shape)
+    x = model.embed[...][tokens]
+    want_stats = []
+    for kind, i in order:
+        block = layer(stacks[kind], i)
+        if kind == "moe":
+            x, st = block(x, positions, None, jnp.float32, nnx_part(), bias[i])
+            want_stats.append(st)
+        else:
+            x = block(x, positions, None, jnp.float32, nnx_part())
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.final_norm(x)), rtol=1e-5, atol=1e-5)
+    for name in stats:
+        np.testing.assert_allclose(np.asarray(stats[name]), np.stack([np.asarray(s[name]) for s in want_stats]),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_interleaved_layers_count_dense_flops_where_dense():
+    """With moe_every=2 over 4 layers, half the layers are MoE: the active matmul parameters are the
+    mean of the all-dense and the all-MoE models' (each counts the head once)."""
+    from jaxtrain.model.llama import matmul_params
+    base = dict(num_layers=4, vocab_size=32, mlp_dim=12)
+    every2, all_moe = layer_cfg(**base, moe_every=2), layer_cfg(**base)
+    dense = layer_cfg(**base, num_experts=0)
+    assert 2 * matmul_params(every2) == matmul_params(all_moe) + matmul_params(dense)
+    assert matmul_params(every2) not in (matmul_params(all_moe), matmul_params(dense))

@@ -58,9 +58,11 @@ def test_expert4_data2_equals_data8(dispatch):
     assert_runs_equal(got, want)
 
 
-def test_expert_parallel_with_fsdp_and_tensor():
-    want = run(["mesh.data=8", "model.capacity_factor=4.0"])
-    got = run(["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "model.capacity_factor=4.0"])
+def test_expert_parallel_with_fsdp_and_tensor_and_interleaved_dense_layers():
+    """moe_every=2: a dense layer, then an MoE layer; the dense one's MLP split over tensor."""
+    common = ["model.capacity_factor=4.0", "model.moe_every=2"]
+    want = run(["mesh.data=8", *common])
+    got = run(["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", *common])
     assert_runs_equal(got, want)
 
 
