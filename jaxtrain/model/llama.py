@@ -269,9 +269,9 @@ class Transformer(nnx.Module):
             graphdef, layers = nnx.split(self.dense_blocks)
             x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
         graphdef, layers = nnx.split(self.blocks)
-        if cfg.num_experts > 0 and hasattr(self, "interleaved_dense_blocks"):  # moe_every > 1
-            if router_bias is None:
-                router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
+        if cfg.num_experts > 0 and router_bias is None:
+            router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
+        if hasattr(self, "interleaved_dense_blocks"):  # MoE with moe_every > 1
             dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
             # [groups * (k - 1), ...] -> [groups, k - 1, ...]: one group's dense layers per scan step.
             dense = jax.tree_util.tree_map(lambda a: a.reshape(cfg.num_moe_layers, -1, *a.shape[1:]), dense)
@@ -286,8 +286,6 @@ class Transformer(nnx.Module):
 
             x_BLD, stats = in_order(group, x_BLD, (dense, layers, router_bias))
         elif cfg.num_experts > 0:  # MoE layers (never under a pipeline: config.validate_moe)
-            if router_bias is None:
-                router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
             x_BLD, stats = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part, router_bias)
         elif part.schedule is None:
             x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
