@@ -139,11 +139,11 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.nodeid.startswith(FULL_SUITE_ONLY):
             item.add_marker(pytest.mark.full)
             matched.update(p for p in FULL_SUITE_ONLY if item.nodeid.startswith(p))
+        if item.get_closest_marker("multiprocess") or item.get_closest_marker("slow") or \
+                item.path.name == "test_slurm.py":
+            item.add_marker(pytest.mark.xdist_group("processes"))
     # A renamed test would leave its entry naming nothing (and itself back in the default tier).
     files = {i.nodeid.split("::")[0] for i in items}
     stale = [p for p in FULL_SUITE_ONLY if p not in matched and p.split("::")[0] in files]
     if stale and not any("::" in a for a in config.args):  # (node ids asked for: the rest of a file is not collected)
         raise pytest.UsageError(f"tests/conftest.py FULL_SUITE_ONLY names no collected test: {stale}")
-        if item.get_closest_marker("multiprocess") or item.get_closest_marker("slow") or \
-                item.path.name == "test_slurm.py":
-            item.add_marker(pytest.mark.xdist_group("processes"))
