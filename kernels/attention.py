@@ -176,7 +176,7 @@ def flash_attention(
     return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
-BLOCK_IMPLEMENTATIONS = ("xla", "pallas")  # those with a blockwise form (attention_block)
+BLOCK_IMPLEMENTATIONS = ("xla", "pallas", "triton")  # those with a blockwise form (attention_block)
 
 
 def attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=None, implementation: str = "xla"):
@@ -188,6 +188,8 @@ def attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=N
         from kernels.reference import attention_block as block
     elif implementation == "pallas":
         from kernels.pallas_attention import pallas_attention_block as block
+    elif implementation == "triton":
+        from kernels.triton_attention import triton_attention_block as block
     else:
         raise ValueError(f"attention implementation {implementation!r} has no blockwise form; "
                          f"choose from {', '.join(BLOCK_IMPLEMENTATIONS)}")
@@ -201,6 +203,8 @@ def attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids=None, 
         from kernels.reference import attention_block_bwd as bwd
     elif implementation == "pallas":
         from kernels.pallas_attention import pallas_attention_block_bwd as bwd
+    elif implementation == "triton":
+        from kernels.triton_attention import triton_attention_block_bwd as bwd
     else:
         raise ValueError(f"attention implementation {implementation!r} has no blockwise form; "
                          f"choose from {', '.join(BLOCK_IMPLEMENTATIONS)}")

@@ -120,7 +120,9 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]
     tl.store(O + q_base + rows[:, None] * stride_ql + dims[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
-    lse = tl.where(empty, 0.0, m_i + tl.log(l_safe))
+    # MASK_VALUE for a row that sees no key, so the blockwise form's blocks combine (it weighs nothing);
+    # the backward never reads it (every pair of that row is masked).
+    lse = tl.where(empty, _MASK, m_i + tl.log(l_safe))
     tl.store(LSE + pid_bn.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
 
@@ -386,14 +388,37 @@ def _segments(segs):
     return segs[0], segs[1], True
 
 
-def _fwd(cfg: _Config, q, k, v, segs):
+def _fwd(cfg: _Config, q, k, v, segs, out_dtype=None):
+    """(o [B, L, N, H] in `out_dtype` (default q's), lse [B, N, L] fp32)."""
     B, L, N, H = q.shape
     q_seg, kv_seg, has_seg = _segments(segs)
     plan = _plan(cfg, "fwd", q, k, has_seg)
     o, lse = _call(plan, _fwd_kernel, (q, k, v, q_seg, kv_seg),
-                   [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, L), jnp.float32)],
+                   [jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype), jax.ShapeDtypeStruct((B, N, L), jnp.float32)],
                    "flash_attention_fwd")
     return o, lse
+
+
+def _bwd(cfg: _Config, q, k, v, segs, do, lse, delta, dq_dtype):
+    """(dq in `dq_dtype`, dk fp32, dv fp32) from the dq and dk/dv kernels; lse and delta [B, N, L] fp32."""
+    B, L, N, H = q.shape
+    K = k.shape[2]
+    q_seg, kv_seg, has_seg = _segments(segs)
+    inputs = (q, k, v, q_seg, kv_seg, do, lse, delta)
+    dq = _call(_plan(cfg, "dq", q, k, has_seg), _dq_kernel, inputs,
+               jax.ShapeDtypeStruct(q.shape, dq_dtype), "flash_attention_dq")
+    part = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    dk_part, dv_part = _call(_plan(cfg, "dkv", q, k, has_seg), _dkv_kernel, inputs, [part, part],
+                             "flash_attention_dkv")
+    # Query head n = kv_head * G + g: sum the G shares of each kv head.
+    dk = dk_part.reshape(B, L, K, N // K, H).sum(axis=3)
+    dv = dv_part.reshape(B, L, K, N // K, H).sum(axis=3)
+    return dq, dk, dv
+
+
+def _delta(do, o):
+    """D = rowsum(dO * O) as [B, N, L] fp32: one fused elementwise pass in XLA."""
+    return jnp.einsum("blnh,blnh->bnl", do.astype(jnp.float32), o.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -408,22 +433,9 @@ def _flash_fwd(cfg, q, k, v, segs):
 
 def _flash_bwd(cfg, residuals, do):
     q, k, v, segs, o, lse = residuals
-    B, L, N, H = q.shape
-    K = k.shape[2]
     do = do.astype(q.dtype)
-    q_seg, kv_seg, has_seg = _segments(segs)
-    # D = rowsum(dO * O) as [B, N, L]: one fused elementwise pass in XLA.
-    delta = jnp.einsum("blnh,blnh->bnl", do.astype(jnp.float32), o.astype(jnp.float32))
-    inputs = (q, k, v, q_seg, kv_seg, do, lse, delta)
-    dq = _call(_plan(cfg, "dq", q, k, has_seg), _dq_kernel, inputs,
-               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")
-    part = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    dk_part, dv_part = _call(_plan(cfg, "dkv", q, k, has_seg), _dkv_kernel, inputs, [part, part],
-                             "flash_attention_dkv")
-    # Query head n = kv_head * G + g: sum the G shares of each kv head.
-    dk = dk_part.reshape(B, L, K, N // K, H).sum(axis=3).astype(k.dtype)
-    dv = dv_part.reshape(B, L, K, N // K, H).sum(axis=3).astype(v.dtype)
-    return dq, dk, dv, None  # segment ids are integers: no cotangent
+    dq, dk, dv = _bwd(cfg, q, k, v, segs, do, lse, _delta(do, o), q.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None  # segment ids are integers: no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -464,3 +476,32 @@ def triton_flash_attention(
     if segment_ids is not None:
         segs = (segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
     return _flash(cfg, q, k, v, segs)
+
+
+def _block_setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes):
+    check_attention_inputs(q, k, v, segment_ids)
+    blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
+    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
+    if segment_ids is None:
+        return cfg, None
+    kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+    return cfg, (segment_ids.astype(jnp.int32), kv.astype(jnp.int32))
+
+
+def triton_attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=None, block_sizes=None):
+    """(o, lse) of q against one block of keys with the forward kernel (kernels.reference.attention_block's
+    contract): o [B, L, N, H] fp32 (the kernel stores its fp32 accumulator, not q's dtype), lse [B, L, N]
+    fp32, MASK_VALUE for a row that sees no key. The q and kv blocks have the same length."""
+    cfg, segs = _block_setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
+    o, lse = _fwd(cfg, q, k, v, segs, jnp.float32)
+    return o, lse.transpose(0, 2, 1)
+
+
+def triton_attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids=None, kv_segment_ids=None,
+                               block_sizes=None):
+    """(dq, dk, dv) fp32 of one block given the combined o, its lse [B, L, N] over every block and dO,
+    with the dq and dk/dv kernels (kernels.reference.attention_block_bwd's contract): the kernels read
+    P = exp(S - lse) and D = rowsum(dO * O) of the combined output, which is each block's exact share."""
+    cfg, segs = _block_setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
+    do = do.astype(q.dtype)
+    return _bwd(cfg, q, k, v, segs, do, lse.transpose(0, 2, 1), _delta(do, o), jnp.float32)

@@ -20,8 +20,8 @@ ones. The train step permutes each batch's [B, L] arrays once (`permute_batch`) 
 `length` sharding puts those chunks on each device; positions and segment ids are permuted with the
 tokens, so rotary and document masks follow, and the loss (a sum over tokens) does not notice.
 
-The per-block work is a kernel with a blockwise form (`kernels.attention_block`: the XLA reference
-or the Pallas kernels, each returning its lse, with a backward that reads the combined o and lse);
+The per-block work is a kernel with a blockwise form (`kernels.attention_block`: the XLA reference,
+the Pallas or the Triton kernels, each returning its lse, with a backward that reads the combined o and lse);
 this module takes the two block functions as arguments and imports no kernel.
 """
 

@@ -11,43 +11,21 @@ Test-only dependencies (the `dev` extra): torch and triton.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
-import types
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+import torch
+from triton_stand_in import fake_jax_triton  # noqa: F401  (a fixture; importing the module sets TRITON_INTERPRET)
+from triton_stand_in import to_numpy as _to_numpy
+from triton_stand_in import to_torch as _to_torch
+from triton_stand_in import triton_attention as ta
 
-# Must be set before the @triton.jit decorators run (they pick the interpreter at decoration time).
-os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402  (test-only dependencies of the `dev` extra: a missing one is a failure, not a skip)
-import triton  # noqa: E402,F401  (imported for its presence: the interpreter needs it)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-
-from kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads  # noqa: E402
-
-# Reload in case something imported the module before TRITON_INTERPRET was set.
-ta = importlib.reload(importlib.import_module("kernels.triton_attention"))
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}
-
-
-def _to_torch(x) -> "torch.Tensor":
-    a = np.asarray(x)
-    if a.dtype == ml_dtypes.bfloat16:  # torch.from_numpy knows no bfloat16: go through the bits
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
-
-
-def _to_numpy(t: "torch.Tensor") -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+from kernels.common import MASK_VALUE
+from kernels.reference import attention_block, attention_block_bwd
+from kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads
 
 
 def _launch(kind, kernel, inputs, outputs, q_shape, kv_heads, dtype_name, causal, has_seg, block_sizes):
@@ -195,31 +173,6 @@ def test_launch_plan_rejects_bad_tiles():
 # ------------------------------------------------------------------------------------------------
 
 
-def _fake_triton_call(*args, kernel, out_shape, grid, name="", num_warps=None, num_stages=None, **metaparams):
-    """jax_triton.triton_call's contract: array args and Python scalars in order, then one pointer
-    per `out_shape` entry appended, `metaparams` as constexpr keywords; one array or a list back."""
-    single = not isinstance(out_shape, (list, tuple))
-    out_shapes = [out_shape] if single else list(out_shape)
-    array_positions = [i for i, a in enumerate(args) if not isinstance(a, (bool, int, float))]
-
-    def host(*arrays):
-        call_args = list(args)
-        for i, a in zip(array_positions, arrays):
-            call_args[i] = _to_torch(a)
-        outs = [torch.empty(s.shape, dtype=_TORCH_DTYPES[jnp.dtype(s.dtype).name]) for s in out_shapes]
-        kernel[grid](*call_args, *outs, **metaparams)
-        return [_to_numpy(o) for o in outs]
-
-    results = jax.pure_callback(host, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes],
-                                *[args[i] for i in array_positions])
-    return results[0] if single else results
-
-
-@pytest.fixture
-def fake_jax_triton(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=_fake_triton_call))
-
-
 @pytest.mark.parametrize(
     "B, L, N, K, H, causal, segments, dtype",
     [(2, 40, 4, 2, 16, True, True, jnp.float32), (1, 33, 4, 1, 16, False, False, jnp.bfloat16)],
@@ -234,4 +187,41 @@ def test_triton_jax_wrapper_with_stand_in_triton_call(fake_jax_triton, B, L, N, 
     assert_close("out", out, ref_out, tol)
     for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert g.dtype == ref.dtype, name
+        assert_close(name, g, ref, tol)
+
+
+# (causal, K, dtype, q/kv segment layout): the ring's three kinds of pairs are causal diagonal and
+# full off-diagonal blocks; "disjoint" gives rows that see no key of the block (lse = MASK_VALUE).
+BLOCK_CASES = [(True, 2, jnp.float32, "same"), (False, 1, jnp.float32, "shifted"),
+               (False, 2, jnp.float32, "disjoint"), (True, 1, jnp.bfloat16, "shifted")]
+
+
+@pytest.mark.parametrize("causal, K, dtype, layout", BLOCK_CASES,
+                         ids=[f"{'causal' if c else 'full'}-K{k}-{jnp.dtype(d).name}-{lay}" for c, k, d, lay in BLOCK_CASES])
+def test_triton_blockwise_form_matches_the_reference_block(fake_jax_triton, causal, K, dtype, layout):
+    """The blockwise form the context ring calls: (o, lse) of one block and its backward given a
+    combined o and lse, against kernels.reference's blocks (which the ring is tested with)."""
+    import jax
+    B, L, N, H = 2, 24, 4, 16
+    q, k, v, do, _ = random_inputs(140, B, L, N, K, H, dtype)
+    q_seg = jnp.asarray(np.repeat([[1, 2, 3]], B, 0).repeat(8, 1), jnp.int32)  # [B, 24], documents of 8
+    kv_seg = {"same": q_seg, "shifted": jnp.roll(q_seg, 5, axis=1), "disjoint": q_seg.at[:, 8:16].set(7)}[layout]
+    kw = dict(causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg)
+    o, lse = jax.jit(lambda q, k, v: ta.triton_attention_block(q, k, v, block_sizes=(16, 16), **kw))(q, k, v)
+    o_ref, lse_ref = attention_block(q, k, v, **kw)
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32 and lse.shape == (B, L, N)
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    assert_close("o", o, o_ref, tol)
+    seen = np.asarray(lse_ref) > MASK_VALUE / 2
+    np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(lse_ref)[seen], rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(lse)[~seen], np.float32(MASK_VALUE))  # weighs nothing when combined
+    if layout == "disjoint":
+        assert (~seen).any()
+    # The backward given another block's combined output: lse and o of the whole row, not this block's.
+    o_all, lse_all = o_ref * 0.5 + 0.1, jnp.where(seen, lse_ref + 0.3, MASK_VALUE)
+    got = jax.jit(lambda: ta.triton_attention_block_bwd(q, k, v, o_all.astype(dtype), lse_all, do,
+                                                        block_sizes=(16, 16), **kw))()
+    want = attention_block_bwd(q, k, v, o_all.astype(dtype), lse_all, do, **kw)
+    for name, g, ref in zip(("dq", "dk", "dv"), got, want):
+        assert g.dtype == jnp.float32, name
         assert_close(name, g, ref, tol)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from independent_attention import attention_fwd_bwd
+from triton_stand_in import fake_jax_triton  # noqa: F401  (a fixture: Triton's kernels on the CPU)
 from jax.sharding import NamedSharding
 from trees import rel_err
 
@@ -57,13 +58,21 @@ CASES = [
     (2, "ring", "zigzag", "pallas", {"tensor": 2}),
     (4, "ring", "plain", "pallas", {"data": 2}),
     (2, "allgather", "zigzag", "pallas", {"data": 2}),
+    # Triton's kernels under the interpreter, through the stand-in for jax_triton.triton_call.
+    (2, "ring", "zigzag", "triton", {"data": 2}),
+    (4, "ring", "plain", "triton", {"tensor": 2}),
+    (2, "allgather", "zigzag", "triton", {"fsdp": 2}),
 ]
 
 
 @pytest.mark.parametrize("size,attention,order,implementation,others", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-" + "-".join(f"{a}{n}" for a, n in c[4].items())
                               for c in CASES])
-def test_context_attention_equals_independent_float64(size, attention, order, implementation, others):
+def test_context_attention_equals_independent_float64(size, attention, order, implementation, others, request):
+    available = None
+    if implementation == "triton":  # the stand-in runs it on the CPU, which kernels would not offer
+        request.getfixturevalue("fake_jax_triton")
+        available = ("xla", "pallas", "triton")
     L = 64 if implementation == "pallas" else 32  # pallas: chunks of >= 8 rows (one tile)
     q, k, v, do, seg = packed_inputs(size, L)
     schedule = context.ContextSchedule(size, attention, order)
@@ -81,7 +90,8 @@ def test_context_attention_equals_independent_float64(size, attention, order, im
 
     @jax.jit
     def run(q, k, v, seg, do):
-        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg, implementation, part), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg, implementation, part, available=available),
+                             q, k, v)
         return out, vjp(do)
 
     out, grads = run(*args, place(seg, ("batch", "length")), place(do, qkv))
@@ -124,10 +134,12 @@ def test_config_refuses_what_context_parallelism_cannot_do():
         load_config(None, ["context.order=spiral"])
     with pytest.raises(ConfigError, match="context.attention"):
         load_config(None, ["context.attention=tree"])
-    cfg = load_config(None, ["mesh.context=2", "model.attention=triton"])
+    cfg = load_config(None, ["mesh.context=2", "model.attention=cudnn", "precision.policy=bf16"])
     sizes = {a: 1 for a in AXES} | {"context": 2}
     with pytest.raises(ConfigError, match="no blockwise form for context parallelism"):
         resolve_attention(cfg, "gpu", sizes, available=("xla", "triton", "cudnn"))
+    triton = load_config(None, ["mesh.context=2", "model.attention=triton"])
+    assert resolve_attention(triton, "gpu", sizes, available=("xla", "triton", "cudnn")) == "triton"
     assert resolve_attention(load_config(None, ["mesh.context=2", "model.attention=pallas"]), "cpu", sizes) == "pallas"
 
 
