@@ -75,6 +75,7 @@ def data8():
 
 CASES = {
     "ring-zigzag-context4-data2": ("mesh.context=4", "mesh.data=2"),
+    "ring-zigzag-context8": ("mesh.context=8", "mesh.data=1"),  # chunks of 4 tokens, documents across 5 shards
     "ring-plain-context2-fsdp2-tensor2": ("mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1",
                                           "context.order=plain"),
     "allgather-plain-context4-data2": ("mesh.context=4", "mesh.data=2", "context.attention=allgather",
@@ -124,3 +125,17 @@ def test_a_context_parallel_checkpoint_restores_onto_a_layout_without_it(tmp_pat
         previous = jax.device_get(trainer.state)
         trainer.close()
     assert int(previous["step"]) == 6
+
+
+def test_sequence_parallelism_turns_the_activation_all_reduces_into_gathers_and_scatters():
+    """What Megatron's sequence parallelism is for: with the residual stream's length over tensor,
+    each layer's tensor-parallel all-reduce of activations becomes an all-gather before the block
+    and a reduce-scatter after it (as compiled, counted by `jaxtrain inspect`), and the residual
+    stream's norms and adds run on 1/tensor of the tokens."""
+    from jaxtrain.observe.inspection import inspect_report
+    base = SMALL + ["model.attention=xla", "mesh.tensor=2", "mesh.data=4", "data.seq_len=256"]
+    plain = inspect_report(load_config(None, base), jax.devices()[:8])["collectives"]
+    sp = inspect_report(load_config(None, base + [SEQUENCE_PARALLEL]), jax.devices()[:8])["collectives"]
+    assert plain["all-gather"] == plain["reduce-scatter"] == 0, plain  # tensor parallelism alone: all-reduces
+    assert sp["all-reduce"] <= 0.2 * plain["all-reduce"], (sp, plain)  # left: the gradients' data reductions
+    assert sp["all-gather"] > 0.3 * plain["all-reduce"] and sp["reduce-scatter"] > 0.3 * plain["all-reduce"], (sp, plain)
