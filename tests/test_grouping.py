@@ -10,6 +10,6 @@ import pytest
 
 @pytest.mark.slow
 def test_a_multiprocess_test_runs_in_the_processes_group(request):
-    if not request.config.getvalue("loadgroup"):
+    if getattr(request.config.option, "dist", "no") != "loadgroup":
         pytest.skip("not run with --dist loadgroup")
     assert request.node.nodeid.endswith("@processes"), request.node.nodeid
