@@ -7,7 +7,7 @@ Both variants are built once in this process and timed in alternating rounds (ea
 variant runs `--steps` steps after its compile and 3 warm-up steps), timed by the wall clock
 around the round's `Trainer.step` calls (each waits for its step); the median round counts. Prints tokens/s, MFU of active FLOPs (flops_per_step counts active
 parameters; the peak is a measured matmul) and the MoE step time over the dense one. The issue's
-target: overhead <= 40% of the dense step. The MaxText comparison of issue #21 is not built here.
+target: overhead <= 40% of the dense step. MaxText side by side: bench/vs_maxtext.py --model moe-tiny.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    from jaxtrain.xla_cpu import cpu_xla_flags  # no JAX import: the flags `jaxtrain train` runs with
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *cpu_xla_flags(),
+                                        f"--xla_force_host_platform_device_count={args.cpu_devices}"]).strip()
     import jax
 
     from jaxtrain.config import load_config

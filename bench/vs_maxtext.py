@@ -1,7 +1,12 @@
-"""cpu-tiny beside MaxText (DESIGN §6, §7): tokens/s and MFU of both, measured side by side.
+"""cpu-tiny (or moe-tiny) beside MaxText (DESIGN §6, §7): tokens/s and MFU of both, measured side by side.
 
-    python bench/vs_maxtext.py [--maxtext-python ../maxtext-venv/bin/python] [--rounds 3]
+    python bench/vs_maxtext.py [--maxtext-python ../maxtext-venv/bin/python] [--rounds 3] [--model cpu-tiny|moe-tiny]
     python bench/vs_maxtext.py --markdown vs_maxtext.json      (the README table of a saved run)
+
+`--model moe-tiny` (issue #21) runs configs/moe-tiny.yaml with capacity dispatch (factor 1.25, no
+router z-loss, which MaxText lacks) against MaxText's Mixtral decoder on the same shapes with its
+CPU path: `sparse_matmul=False` (the dense GShard-style dispatch by einsum over a capacity
+buffer), `megablox=False`, the same capacity factor and load-balancing loss weight.
 
 Both sides run their real training entry point as a subprocess, on one CPU device, on the same
 model (configs/bench/cpu-tiny.yaml; MaxText's overrides below):
@@ -58,13 +63,31 @@ from jaxtrain.xla_cpu import cpu_xla_flags  # noqa: E402  (no JAX import)
 
 MAXTEXT_VERSION = "0.2.5"
 CPU_TINY = REPO / "configs/bench/cpu-tiny.yaml"
+MOE_TINY = REPO / "configs/moe-tiny.yaml"
+MOE_CAPACITY_FACTOR = 1.25
 
-# The cpu-tiny model (configs/bench/cpu-tiny.yaml) in MaxText's words.
-MAXTEXT_MODEL = {
-    "base_emb_dim": 256, "base_num_decoder_layers": 4, "base_num_query_heads": 4, "base_num_kv_heads": 4,
-    "head_dim": 64, "base_mlp_dim": 1024, "vocab_size": 32000, "max_target_length": 256,
-    "per_device_batch_size": 8, "dtype": "float32", "weight_dtype": "float32", "decoder_block": "llama2",
-    "logits_via_embedding": "false", "attention": "dot_product",
+# Each model: jaxtrain's config and overrides, and the same model in MaxText's words.
+MODELS = {
+    "cpu-tiny": {
+        "config": CPU_TINY, "overrides": [],
+        "maxtext": {
+            "base_emb_dim": 256, "base_num_decoder_layers": 4, "base_num_query_heads": 4, "base_num_kv_heads": 4,
+            "head_dim": 64, "base_mlp_dim": 1024, "vocab_size": 32000, "max_target_length": 256,
+            "per_device_batch_size": 8, "dtype": "float32", "weight_dtype": "float32", "decoder_block": "llama2",
+            "logits_via_embedding": "false", "attention": "dot_product",
+        },
+    },
+    "moe-tiny": {  # configs/moe-tiny.yaml: 8 experts of 64, top-2, every layer MoE (Mixtral's layout)
+        "config": MOE_TINY, "overrides": [f"model.capacity_factor={MOE_CAPACITY_FACTOR}", "model.router_z_loss=0"],
+        "maxtext": {
+            "base_emb_dim": 64, "base_num_decoder_layers": 2, "base_num_query_heads": 4, "base_num_kv_heads": 2,
+            "head_dim": 16, "base_mlp_dim": 64, "base_moe_mlp_dim": 64, "vocab_size": 64, "max_target_length": 64,
+            "per_device_batch_size": 16, "dtype": "float32", "weight_dtype": "float32", "decoder_block": "mixtral",
+            "logits_via_embedding": "false", "attention": "dot_product", "num_experts": 8,
+            "num_experts_per_tok": 2, "sparse_matmul": "false", "megablox": "false",
+            "capacity_factor": MOE_CAPACITY_FACTOR, "load_balance_loss_weight": 0.01,
+        },
+    },
 }
 # What both sides share besides the model: AdamW (b2 0.95, wd 0.1), global-norm clip 1.0, no
 # dropout, no checkpoints; synthetic data (jaxtrain: its markov source) costs neither side time.
@@ -136,11 +159,11 @@ def per_step_cpu(marks: list[float], skip: int) -> float | None:
     return statistics.median(deltas) if deltas else None
 
 
-def run_jaxtrain(python: str, steps: int, skip: int, flags: list[str], log: Path) -> dict:
+def run_jaxtrain(python: str, steps: int, skip: int, flags: list[str], log: Path, model: str = "cpu-tiny") -> dict:
     with tempfile.TemporaryDirectory(prefix="vs_maxtext_") as out:
-        cmd = [python, "-m", "jaxtrain.cli", "train", "--config", str(CPU_TINY), "--cpu-devices", "1",
+        cmd = [python, "-m", "jaxtrain.cli", "train", "--config", str(MODELS[model]["config"]), "--cpu-devices", "1",
                f"train.steps={steps}", "train.log_every=1", f"run.output_dir={out}",
-               "checkpoint.compilation_cache_dir=null", "checkpoint.save_at_end=false"]
+               "checkpoint.compilation_cache_dir=null", "checkpoint.save_at_end=false", *MODELS[model]["overrides"]]
         load = loadavg()
         wall, rc, marks = run_streaming(cmd, cpu_env(flags), str(REPO), log, JAXTRAIN_STEP)
         if rc != 0:
@@ -174,19 +197,21 @@ def check_maxtext(python: str, flags: list[str]) -> dict:
     return info
 
 
-def maxtext_command(python: str, base_yml: str, steps: int, variant: str, run_name: str, out: str) -> list[str]:
-    overrides = {**MAXTEXT_MODEL, **MAXTEXT_RUN, **VARIANTS[variant], "steps": steps, "run_name": run_name,
+def maxtext_command(python: str, base_yml: str, steps: int, variant: str, run_name: str, out: str,
+                    model: str = "cpu-tiny") -> list[str]:
+    overrides = {**MODELS[model]["maxtext"], **MAXTEXT_RUN, **VARIANTS[variant], "steps": steps, "run_name": run_name,
                  "base_output_directory": out}
     return [python, "-m", "maxtext.trainers.pre_train.train", base_yml] + [f"{k}={v}" for k, v in overrides.items()]
 
 
-def run_maxtext(python: str, base_yml: str, steps: int, skip: int, variant: str, flags: list[str], log: Path) -> dict:
+def run_maxtext(python: str, base_yml: str, steps: int, skip: int, variant: str, flags: list[str], log: Path,
+                model: str = "cpu-tiny") -> dict:
     r = subprocess.run([python, "-c", PEAK_SNIPPET], capture_output=True, text=True, env=cpu_env(flags))
     if r.returncode != 0:
         raise PeerUnavailable(f"matmul peak under the MaxText venv failed: {r.stderr.strip()[-1500:]}")
     peak = json.loads(r.stdout.strip().splitlines()[-1])["matmul_peak_flops"]
     with tempfile.TemporaryDirectory(prefix="vs_maxtext_mt_") as out:
-        cmd = maxtext_command(python, base_yml, steps, variant, f"peer_{log.stem}", out)
+        cmd = maxtext_command(python, base_yml, steps, variant, f"peer_{log.stem}", out, model)
         load = loadavg()
         wall, rc, marks = run_streaming(cmd, cpu_env(flags), out, log, MAXTEXT_STEP)
     if rc != 0:
@@ -237,7 +262,7 @@ def markdown(result: dict) -> str:
     s = result["summary"]
     loads = [r[side][k]["load"] for r in result["rounds"] for side in ("jaxtrain", "maxtext") for k in ("short", "long")]
     lines = [
-        f"cpu-tiny, {result['date']}, {result['machine']}; {result['rounds_run']} alternating rounds "
+        f"{result.get('model', 'cpu-tiny')}, {result['date']}, {result['machine']}; {result['rounds_run']} alternating rounds "
         f"({result['short_steps']} and {result['long_steps']} steps); load average before runs "
         f"{min(loads):.2f}-{max(loads):.2f}; XLA flags: jaxtrain `{' '.join(result['xla_flags']['jaxtrain']) or 'none'}`, "
         f"MaxText `{' '.join(result['xla_flags']['maxtext']) or 'none'}`; matmul peak {s['matmul_peak_tflops'] * 1e3:.0f} GFLOP/s.",
@@ -276,6 +301,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=24, help="steps of the long run")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the own-timer medians")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="noremat")
+    parser.add_argument("--model", choices=sorted(MODELS), default="cpu-tiny")
     parser.add_argument("--no-flags", action="store_true", help="no XLA CPU flags on either side")
     parser.add_argument("--peer-flags", choices=("same", "none"), default="same",
                         help="MaxText gets the same XLA flags as jaxtrain (default) or none")
@@ -289,11 +315,12 @@ def main() -> None:
         return
     if args.long <= args.short or args.short <= args.skip:
         parser.error("need --skip < --short < --long")
+    args.maxtext_python = os.path.abspath(args.maxtext_python)  # MaxText runs in its own working directory
 
     from jaxtrain.config import load_config
     from jaxtrain.observe.throughput import flops_per_step
 
-    cfg = load_config(CPU_TINY, [])
+    cfg = load_config(MODELS[args.model]["config"], MODELS[args.model]["overrides"])
     flops = flops_per_step(cfg)
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     flags = [] if args.no_flags else cpu_xla_flags()
@@ -314,9 +341,9 @@ def main() -> None:
     try:
         # One untimed run of each side first: the first start of a program pays for cold caches
         # (imports, page cache), which would land in round 0's short run.
-        run_jaxtrain(args.jaxtrain_python, args.short, args.skip, flags, log_dir / "jaxtrain_warmup.log")
+        run_jaxtrain(args.jaxtrain_python, args.short, args.skip, flags, log_dir / "jaxtrain_warmup.log", args.model)
         run_maxtext(args.maxtext_python, info["base_yml"], args.short, args.skip, args.variant, peer_flags,
-                    log_dir / "maxtext_warmup.log")
+                    log_dir / "maxtext_warmup.log", args.model)
         for i in range(args.rounds):
             # Alternate which side goes first, and whether the short or the long runs come first.
             order = ("jaxtrain", "maxtext") if i % 2 == 0 else ("maxtext", "jaxtrain")
@@ -324,12 +351,12 @@ def main() -> None:
             result: dict = {"jaxtrain": {}, "maxtext": {}}
             for length, steps in (lengths if i % 2 == 0 else lengths[::-1]):
                 for side in order:
-                    log = log_dir / f"{side}_{args.variant}_r{i}_{length}.log"
+                    log = log_dir / f"{side}_{args.model}_{args.variant}_r{i}_{length}.log"
                     if side == "jaxtrain":
-                        r = run_jaxtrain(args.jaxtrain_python, steps, args.skip, flags, log)
+                        r = run_jaxtrain(args.jaxtrain_python, steps, args.skip, flags, log, args.model)
                     else:
                         r = run_maxtext(args.maxtext_python, info["base_yml"], steps, args.skip, args.variant,
-                                        peer_flags, log)
+                                        peer_flags, log, args.model)
                     result[side][length] = r
                     own = f", own {r['own_step_s']:.3f} s/step" if length == "long" else ""
                     print(f"round {i} {side:8} {length:5} {steps:3d} steps: {r['wall_s']:6.1f} s wall{own} "
@@ -340,7 +367,7 @@ def main() -> None:
         sys.exit(2)
 
     out = {
-        "bench": "cpu-tiny-vs-maxtext", "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "bench": f"{args.model}-vs-maxtext", "model": args.model, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores", "variant": args.variant,
         "rounds_run": args.rounds, "short_steps": args.short, "long_steps": args.long, "skip": args.skip,
         "jax": {"jaxtrain": jax_version, "maxtext": info["jax"]}, "maxtext_version": info["maxtext"],
