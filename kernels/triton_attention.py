@@ -441,6 +441,17 @@ def _flash_bwd(cfg, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes):
+    """Checked inputs -> (_Config, (q_seg, kv_seg) int32 or None); kv ids default to the queries'."""
+    check_attention_inputs(q, k, v, segment_ids)
+    blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
+    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
+    if segment_ids is None:
+        return cfg, None
+    kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+    return cfg, (segment_ids.astype(jnp.int32), kv.astype(jnp.int32))
+
+
 def triton_flash_attention(
     q,
     k,
@@ -466,33 +477,18 @@ def triton_flash_attention(
     Returns:
       [B, L, N, H] in q's dtype; rows with no visible key are 0.
     """
-    check_attention_inputs(q, k, v, segment_ids)
-    blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
-    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
     if segment_ids is not None and kv_segment_ids is None:
         kv_segment_ids = segment_ids
     q, k, v, segment_ids, kv_segment_ids = vary_like_all(q, k, v, segment_ids, kv_segment_ids)
-    segs = None
-    if segment_ids is not None:
-        segs = (segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
+    cfg, segs = _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
     return _flash(cfg, q, k, v, segs)
-
-
-def _block_setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes):
-    check_attention_inputs(q, k, v, segment_ids)
-    blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
-    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
-    if segment_ids is None:
-        return cfg, None
-    kv = segment_ids if kv_segment_ids is None else kv_segment_ids
-    return cfg, (segment_ids.astype(jnp.int32), kv.astype(jnp.int32))
 
 
 def triton_attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=None, block_sizes=None):
     """(o, lse) of q against one block of keys with the forward kernel (kernels.reference.attention_block's
     contract): o [B, L, N, H] fp32 (the kernel stores its fp32 accumulator, not q's dtype), lse [B, L, N]
     fp32, MASK_VALUE for a row that sees no key. The q and kv blocks have the same length."""
-    cfg, segs = _block_setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
+    cfg, segs = _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
     o, lse = _fwd(cfg, q, k, v, segs, jnp.float32)
     return o, lse.transpose(0, 2, 1)
 
@@ -502,6 +498,6 @@ def triton_attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids
     """(dq, dk, dv) fp32 of one block given the combined o, its lse [B, L, N] over every block and dO,
     with the dq and dk/dv kernels (kernels.reference.attention_block_bwd's contract): the kernels read
     P = exp(S - lse) and D = rowsum(dO * O) of the combined output, which is each block's exact share."""
-    cfg, segs = _block_setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
+    cfg, segs = _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
     do = do.astype(q.dtype)
     return _bwd(cfg, q, k, v, segs, do, lse.transpose(0, 2, 1), _delta(do, o), jnp.float32)
