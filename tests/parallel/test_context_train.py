@@ -130,8 +130,8 @@ def test_a_context_parallel_checkpoint_restores_onto_a_layout_without_it(tmp_pat
 def test_sequence_parallelism_turns_the_activation_all_reduces_into_gathers_and_scatters():
     """What Megatron's sequence parallelism is for: with the residual stream's length over tensor,
     each layer's tensor-parallel all-reduce of activations becomes an all-gather before the block
-    and a reduce-scatter after it (as compiled, counted by `jaxtrain inspect`), and the residual
-    stream's norms and adds run on 1/tensor of the tokens."""
+    and a reduce-scatter after it, as compiled and counted by `jaxtrain inspect`. (That the step's
+    numbers do not change is test_sequence_parallel_activations_equal_data_parallel.)"""
     from jaxtrain.observe.inspection import inspect_report
     base = SMALL + ["model.attention=xla", "mesh.tensor=2", "mesh.data=4", "data.seq_len=256"]
     plain = inspect_report(load_config(None, base), jax.devices()[:8])["collectives"]
