@@ -764,9 +764,6 @@ def validate_moe(cfg: Config) -> None:
     for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
         if not getattr(m, key) >= 0:
             raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(m, key)}")
-    if cfg.mesh.stage not in (1,):
-        raise ConfigError(f"mesh.stage={cfg.mesh.stage}: MoE layers inside pipeline stages are not built; "
-                          "use mesh.stage=1 with model.num_experts > 0")
 
 
 def validate_pipeline(cfg: Config, stages: int) -> None:
@@ -780,7 +777,11 @@ def validate_pipeline(cfg: Config, stages: int) -> None:
         raise ConfigError(f"mesh.stage={stages} needs mesh.rules['layers'] = stage (pipeline stages split the stacked "
                           f"layers), got {layers!r}")
     groups = stages * p.repeats
-    if m.num_layers % groups:
+    if m.num_experts > 0 and m.num_moe_layers % groups:
+        raise ConfigError(f"the {m.num_moe_layers} MoE layers (each with its moe_every - 1 = {m.moe_every - 1} dense "
+                          f"layers) are not divisible by mesh.stage={stages} x pipeline.repeats={p.repeats} = {groups} "
+                          "layer groups; pick a stage count and repeats whose product divides them")
+    if m.num_layers % groups and m.num_experts == 0:
         raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.stage={stages} x pipeline.repeats="
                           f"{p.repeats} = {groups} layer groups; pick a stage count and repeats whose product divides it")
     if p.microbatches < stages:

@@ -104,6 +104,9 @@ FULL_SUITE_ONLY = (
     # MoE: dropless expert=4 x data=2 and fsdp x expert x tensor stay
     "tests/parallel/test_expert_parallel.py::test_expert4_data2_equals_data8[capacity]",
     "tests/parallel/test_expert_parallel.py::test_checkpoint_restores_across_expert_parallel_sizes",
+    # MoE inside pipeline stages: the default tier keeps GPipe x expert x data with the routing bias
+    "tests/parallel/test_expert_parallel.py::test_expert_parallel_inside_pipeline_stages_equals_data8[circular_",
+    "tests/parallel/test_expert_parallel.py::test_expert_parallel_inside_pipeline_stages_equals_data8[gpipe_expert2_fsdp2",
     "tests/observe/test_moe_inspect.py::test_inspect_deepseek_preset_compiles_from_shapes",
     # second round (the default tier at ~30 min was still over budget on CI's slower CPU)
     "tests/parallel/test_pipeline.py::test_pipeline_matches_unpipelined[stage2_fsdp2_tensor2_gpipe_accum2_save_qkv_proj]",

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import attend
-from jaxtrain.model.moe import MoE
+from jaxtrain.model.moe import MoE, finish_stats
 from jaxtrain.model.projection import project
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.sharding import Partitioning
@@ -183,9 +183,9 @@ class Transformer(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             head_std if cfg.tie_embeddings else 1.0)
 
-        def make_blocks(n: int, moe: bool) -> Block:
+        def make_blocks(n: int, moe: bool, stacked: str = "layers") -> Block:
             @nnx.split_rngs(splits=n)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: stacked})
             def make(rngs: nnx.Rngs) -> Block:
                 return Block(cfg, rngs, moe)
             return make(rngs)
@@ -195,7 +195,9 @@ class Transformer(nnx.Module):
         # group) and one MoE layer (`blocks`), the groups one scan.
         moe = cfg.num_experts > 0
         if moe and cfg.first_dense_layers:
-            self.dense_blocks = make_blocks(cfg.first_dense_layers, False)
+            # Stacked on `dense_layers`, not `layers`: they run before any pipeline, not in its
+            # stages, so the rules leave them whole over `stage` (no rule: replicated).
+            self.dense_blocks = make_blocks(cfg.first_dense_layers, False, "dense_layers")
         if moe and cfg.moe_every > 1:
             self.interleaved_dense_blocks = make_blocks(cfg.num_moe_layers * (cfg.moe_every - 1), False)
         self.blocks = make_blocks(cfg.num_moe_layers if moe else cfg.num_layers, moe)
@@ -264,36 +266,53 @@ class Transformer(nnx.Module):
                 return x_BLD if biases is None else (x_BLD, stats)
             return stack
 
-        stats = {}
-        if hasattr(self, "dense_blocks"):
-            graphdef, layers = nnx.split(self.dense_blocks)
-            x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
         graphdef, layers = nnx.split(self.blocks)
-        if cfg.num_experts > 0 and router_bias is None:
-            router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
-        if hasattr(self, "interleaved_dense_blocks"):  # MoE with moe_every > 1
-            dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
-            # [groups * (k - 1), ...] -> [groups, k - 1, ...]: one group's dense layers per scan step.
-            dense = jax.tree_util.tree_map(lambda a: a.reshape(cfg.num_moe_layers, -1, *a.shape[1:]), dense)
-            run_dense, run_moe = runner(dense_graphdef), runner(graphdef)
+        if cfg.num_experts == 0:
+            if part.schedule is None:
+                x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
+            else:  # mesh.stage > 1: the layers run as pipeline stages
+                x_BLD = pipeline.run(runner(graphdef), nnx.to_pure_dict(layers), logical_axes(layers), x_BLD,
+                                     positions_BL, segment_ids_BL, part, remat_policy=remat_policy(cfg.remat))
+            return self.final_norm(x_BLD), {}
 
-            def group(x_BLD, xs):
-                dense_layers, moe_layer, bias = xs
-                x_BLD = run_dense(x_BLD, positions_BL, segment_ids_BL, dense_layers, part)
-                one = jax.tree_util.tree_map(lambda a: a[None], (moe_layer, bias))  # a stack of one
+        # A mixture of experts. The first dense layers run before the MoE units (under a pipeline,
+        # outside it: batch-parallel over the stage devices too, their weights gathered over `stage`).
+        if hasattr(self, "dense_blocks"):
+            dense_graphdef, dense = nnx.split(self.dense_blocks)
+            x_BLD = runner(dense_graphdef)(x_BLD, positions_BL, segment_ids_BL, dense, part)
+        if router_bias is None:
+            router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
+        # The stacked unit (one per MoE layer, what the scan or the pipeline stages run): the MoE
+        # layer, with moe_every > 1 after its group's moe_every - 1 dense layers.
+        run_moe = runner(graphdef)
+        units, names = {"moe": layers, "bias": router_bias}, {"moe": logical_axes(layers), "bias": ("layers", None)}
+        if hasattr(self, "interleaved_dense_blocks"):
+            dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
+            # [groups * (k - 1), ...] -> [groups, k - 1, ...]: one group's dense layers per unit.
+            units["dense"] = jax.tree_util.tree_map(lambda a: a.reshape(cfg.num_moe_layers, -1, *a.shape[1:]), dense)
+            names["dense"] = jax.tree_util.tree_map(lambda n: ("layers", None, *n[1:]), logical_axes(dense),
+                                                    is_leaf=lambda n: isinstance(n, tuple))
+            run_dense = runner(dense_graphdef)
+
+        def run_units(x_BLD, positions_BL, segment_ids_BL, units, part):
+            """The stacked units in order -> (x, routing sums stacked per MoE layer)."""
+            if "dense" not in units:
+                return run_moe(x_BLD, positions_BL, segment_ids_BL, units["moe"], part, units["bias"])
+
+            def group(x_BLD, unit):
+                x_BLD = run_dense(x_BLD, positions_BL, segment_ids_BL, unit["dense"], part)
+                one = jax.tree_util.tree_map(lambda a: a[None], (unit["moe"], unit["bias"]))  # a stack of one
                 x_BLD, s = run_moe(x_BLD, positions_BL, segment_ids_BL, one[0], part, one[1])
                 return x_BLD, jax.tree_util.tree_map(lambda a: a[0], s)
+            return in_order(group, x_BLD, units)
 
-            x_BLD, stats = in_order(group, x_BLD, (dense, layers, router_bias))
-        elif cfg.num_experts > 0:  # MoE layers (never under a pipeline: config.validate_moe)
-            x_BLD, stats = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part, router_bias)
-        elif part.schedule is None:
-            x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
-        else:  # mesh.stage > 1: the layers run as pipeline stages
-            x_BLD = pipeline.run(runner(graphdef), nnx.to_pure_dict(layers), logical_axes(layers), x_BLD, positions_BL,
-                                 segment_ids_BL, part, remat_policy=remat_policy(cfg.remat))
-
-        return self.final_norm(x_BLD), stats
+        if part.schedule is None:
+            x_BLD, stats = run_units(x_BLD, positions_BL, segment_ids_BL, units, part)
+        else:  # the units run as pipeline stages, their routing sums added over the microbatches
+            pure = {k: v if k == "bias" else nnx.to_pure_dict(v) for k, v in units.items()}
+            x_BLD, stats = pipeline.run(run_units, pure, names, x_BLD, positions_BL, segment_ids_BL, part,
+                                        remat_policy=remat_policy(cfg.remat), with_stats=True)
+        return self.final_norm(x_BLD), finish_stats(stats)
 
 
 def logical_axes(params_state: nnx.State) -> dict:

@@ -12,11 +12,13 @@ The routing bias (`[E]` per layer, the train state's `moe.router_bias`, not a pa
 chooses experts: it never weights an output, so no gradient reaches it; the train step moves it by
 `model.router_bias_update_rate` x sign(mean load - load) (DeepSeek-V3's aux-loss-free balancing).
 
-Each layer returns statistics beside its output (`stats`): the Switch load-balancing term
-E * sum_i f_i P_i (f_i: the fraction of the T x k assignments sent to expert i, P_i: its mean
-routing probability; 1 at perfect balance), the router z-loss mean(logsumexp(logits)**2), the
-load per expert and the dropped assignments. They are taken over the whole batch (global f_i and
-P_i), so they do not depend on how the batch is split over devices.
+Each layer returns statistics beside its output (`stats`), as sums over its tokens: the load per
+expert, the routing probabilities, logsumexp(logits)**2, and the dropped assignments. From them
+`finish_stats` forms the Switch load-balancing term E * sum_i f_i P_i (f_i: the fraction of the
+T x k assignments sent to expert i, P_i: its mean routing probability; 1 at perfect balance) and
+the router z-loss mean(logsumexp(logits)**2). They are taken over the whole batch (global f_i and
+P_i), so they do not depend on how the batch is split over devices, nor, under a pipeline, into
+microbatches.
 
 The dispatch itself (capacity-padded or dropless, with or without expert parallelism) lives in
 `jaxtrain.parallel.experts`.
@@ -66,13 +68,25 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, k: int, router: str) -> tuple
 
 
 def routing_stats(logits: jax.Array, experts: jax.Array, probs: jax.Array, num_experts: int) -> dict:
-    """The layer's statistics (module doc), over every token of `logits` [..., E]."""
+    """The layer's statistics as sums over every token of `logits` [..., E] (module doc).
+
+    Sums, not means: the pipeline adds them over microbatches and stage replicas, and
+    `finish_stats` then forms the load-balancing term and z-loss of the whole batch.
+    """
     E = num_experts
     load_E = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=tuple(range(experts.ndim)))
-    f_E = load_E / experts.size
-    P_E = jnp.mean(probs.reshape(-1, E), axis=0)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return {"balance": E * jnp.sum(f_E * P_E), "z": z, "load": load_E}
+    return {"load": load_E, "prob_sum": jnp.sum(probs.reshape(-1, E), axis=0),
+            "z_sum": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+            "tokens": jnp.float32(probs.size // E), "assigned": jnp.float32(experts.size)}
+
+
+def finish_stats(stats: dict) -> dict:
+    """`stats` (sums, `routing_stats`, per layer on a leading axis or not) plus the Switch term
+    `balance` = E * sum_i f_i P_i and the router z-loss `z` = mean(logsumexp(logits)**2)."""
+    E = stats["load"].shape[-1]
+    f_E = stats["load"] / stats["assigned"][..., None]
+    P_E = stats["prob_sum"] / stats["tokens"][..., None]
+    return {**stats, "balance": E * jnp.sum(f_E * P_E, axis=-1), "z": stats["z_sum"] / stats["tokens"]}
 
 
 class MoE(nnx.Module):
@@ -101,7 +115,6 @@ class MoE(nnx.Module):
         y_BLD, dropped = routed_experts(x_BLD, experts_BLk, gates_BLk, self.w_gate[...], self.w_up[...],
                                         self.w_down[...], self.capacity_factor, dtype, part)
         stats["dropped"] = dropped
-        stats["assigned"] = jnp.float32(experts_BLk.size)
         if self.shared:
             gate_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.shared_gate[...], dtype), "mlpwi_0")
             up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.shared_up[...], dtype), "mlpwi_1")

@@ -137,7 +137,11 @@ def routed_experts(x_BLD: jax.Array, experts_BLk: jax.Array, gates_BLk: jax.Arra
         return y.reshape(b, l, d), dropped.reshape(1)
 
     dropped_spec = P(group_axes or None)
-    y, dropped = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
+    # check_vma=False: under the pipeline's vmaps (spmd_axis_name stage, data) JAX 0.10 and 0.12 give
+    # the batched body's values mismatched varying-axes types and refuse it (as for
+    # Partitioning.per_shard). Without the check, psum's transpose relies on shard_map scaling the
+    # cotangents of axes the out_specs leave out; tests/parallel compare every gradient leaf.
+    y, dropped = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), check_vma=False,
                                out_specs=(tok, dropped_spec))(x_BLD, experts_BLk, gates_BLk, w_gate_EDF,
                                                               w_up_EDF, w_down_EFD)
     return y, jnp.sum(dropped)

@@ -78,8 +78,9 @@ from jaxtrain.config import Config
 from jaxtrain.parallel.sharding import Partitioning, Rules, _targets, logical_to_spec
 
 # stack(x_BLD, positions_BL, segment_ids_BL, layers, part) runs `layers` (stacked on a leading
-# axis) in order, constrained by `part` (the partitioning inside one stage).
-StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any, Partitioning], jax.Array]
+# axis) in order, constrained by `part` (the partitioning inside one stage). -> x_BLD, or with
+# `run(..., with_stats=True)` (x_BLD, statistics stacked per layer, sums over the tokens).
+StackFn = Callable[[jax.Array, jax.Array, "jax.Array | None", Any, Partitioning], Any]
 
 _X = ("layers", "batch", "length", "act_embed")  # a per-stage activation [S, B, L, D]
 _IDS = ("layers", "batch", "length")  # per-stage positions / segment ids [S, B, L]
@@ -143,6 +144,12 @@ def accumulation_steps(grad_accum: int, schedule: Schedule | None) -> int:
     return grad_accum if schedule is None else grad_accum // schedule.folded_accum
 
 
+def pipelined_layers(m: Any) -> int:
+    """Layers the stages split: all, or a mixture of experts' after its first dense layers (those run
+    before the pipeline, batch-parallel over the stage devices too)."""
+    return m.num_layers - (m.first_dense_layers if m.num_experts > 0 else 0)
+
+
 def describe(cfg: Config, mesh_sizes: Mapping[str, int]) -> dict:
     """The pipeline schedule as plain data, for the `start` event and `jaxtrain inspect`.
 
@@ -158,7 +165,7 @@ def describe(cfg: Config, mesh_sizes: Mapping[str, int]) -> dict:
                 "layers_per_stage": cfg.model.num_layers, "iterations": 1, "bubble": 0.0,
                 "passes_per_step": cfg.train.grad_accum}
     return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "repeats": s.repeats,
-            "layers_per_stage": cfg.model.num_layers // s.stages, "iterations": s.iterations,
+            "layers_per_stage": pipelined_layers(cfg.model) // s.stages, "iterations": s.iterations,
             "bubble": round(s.bubble, 4), "passes_per_step": accumulation_steps(cfg.train.grad_accum, s)}
 
 
@@ -222,7 +229,8 @@ def _place(w: jax.Array, names: tuple[str | None, ...], S: int, R: int, replicas
 
 
 def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positions_BL: jax.Array,
-        segment_ids_BL: jax.Array | None, part: Partitioning, remat_policy: Any = None) -> jax.Array:
+        segment_ids_BL: jax.Array | None, part: Partitioning, remat_policy: Any = None,
+        with_stats: bool = False) -> Any:
     """Run the stacked layers as pipeline stages; the same result as `stack(x, ..., layers)`.
 
     Args:
@@ -235,8 +243,11 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
       remat_policy: the `jax.checkpoint` policy of every iteration when the schedule
         rematerialises them (`model.remat`'s, named checkpoints survive the vmap); None saves
         nothing inside an iteration. `stack` then checkpoints no layer itself.
+      with_stats: `stack` returns (x, per-layer statistics [L/(S·R), ...]) (a mixture of experts'
+        routing sums): each stage's are added over the microbatches it really ran (not the
+        bubble's) and over its weight copies, and returned per layer in execution order.
     Returns:
-      x_BLD after all layers.
+      x_BLD after all layers; with_stats: (x_BLD, statistics [L, ...]).
     """
     schedule = part.schedule
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -278,7 +289,8 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
     in_replica = part.without(spmd_axes + replicas)
 
     def one_replica(x_BLD, pos_BL, seg_BL, w):
-        return stack(x_BLD, pos_BL, seg_BL, w, in_replica)
+        out = stack(x_BLD, pos_BL, seg_BL, w, in_replica)
+        return out if with_stats else (out, {})
 
     def one_stage(x_BLD, pos_BL, seg_BL, w, repeat):
         repeat_axis = 0 if copies == 1 else 1  # w: [(copies,) R, L/(S·R), ...] on this stage
@@ -287,8 +299,8 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
             return one_replica(x_BLD, pos_BL, seg_BL, w)
         # Rows split over the replica axes, which are the outermost batch axes: a local reshape.
         rows = lambda a: None if a is None else a.reshape(copies, a.shape[0] // copies, *a.shape[1:])
-        y = jax.vmap(one_replica, spmd_axis_name=replicas)(rows(x_BLD), rows(pos_BL), rows(seg_BL), w)
-        return y.reshape(x_BLD.shape)
+        y, stats = jax.vmap(one_replica, spmd_axis_name=replicas)(rows(x_BLD), rows(pos_BL), rows(seg_BL), w)
+        return y.reshape(x_BLD.shape), jax.tree_util.tree_map(lambda a: jnp.sum(a, axis=0), stats)
 
     all_stages = jax.vmap(one_stage, spmd_axis_name=spmd_axes or None)
     if schedule.remat_iterations:
@@ -311,14 +323,20 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
         return jnp.where((stage_S == s).reshape(S, *[1] * (new.ndim - 1)), new, old)
 
     def iteration(carry, t):
-        state, ring = carry
+        state, ring, stats_acc = carry
         col = t % K
         slots = constrain(jax.lax.dynamic_index_in_dim(ring, col, 1, keepdims=False), _X)  # stage 0's: position 0
         first = (slots, *ids_at(t))
         is_first = lambda a: (stage_S == 0).reshape(S, *[1] * (a.ndim - 1))
         inputs = per_stage(jax.tree_util.tree_map(lambda f, s: jnp.where(is_first(f), f, s), first, state))
         repeat_S = jnp.clip((t - stage_S) // M, 0, R - 1)  # stage s works on item t - s: round (t - s) // M
-        y_SBLD = all_stages(*inputs, weights, repeat_S)
+        y_SBLD, stats_S = all_stages(*inputs, weights, repeat_S)
+        # Stage s's statistics count when item t - s is real (not the fill or drain bubble), under
+        # the layer group it ran: round repeat_S.
+        real_S = ((t - stage_S >= 0) & (t - stage_S < R * M)).astype(jnp.float32)
+        into_SR = jax.nn.one_hot(repeat_S, R, dtype=jnp.float32) * real_S[:, None]
+        stats_acc = jax.tree_util.tree_map(
+            lambda acc, a: acc + into_SR.reshape(S, R, *[1] * (a.ndim - 1)) * a[:, None], stats_acc, stats_S)
         # Everything moves one stage on; the last stage's output lands in stage 0's slot.
         shifted = per_stage(jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), (y_SBLD, *inputs[1:])))
         done = t - (S - 1)  # the item the last stage just finished (negative while the pipeline fills)
@@ -340,19 +358,27 @@ def run(stack: StackFn, layers: Any, layer_names: Any, x_BLD: jax.Array, positio
             old = jax.lax.dynamic_index_in_dim(ring, rcol, 1, keepdims=False)
             new = on_stage(recirc_stage, jnp.where((done >= 0) & (done < (R - 1) * M), src, old), old)
             ring = jax.lax.dynamic_update_index_in_dim(ring, constrain(new, _X), rcol, 1)
-        return (shifted, constrain(ring, ring_names)), None
+        return (shifted, constrain(ring, ring_names), stats_acc), None
 
     # Every stage starts on its own first ring slot (real, finite rows), so even the bubble's
     # (discarded) work sees real rows; no microbatch is copied to other stages for it.
     init = per_stage((constrain(ring[:, 0], _X), *ids_at(jnp.int32(0))))
-    (_, ring), _ = jax.lax.scan(iteration, (init, ring), jnp.arange(schedule.iterations))
+    stats0 = {}
+    if with_stats:  # their shapes: every stage's stack on one microbatch, traced, not run
+        shapes = jax.eval_shape(all_stages, *init, weights, jnp.zeros((S,), jnp.int32))[1]
+        stats0 = jax.tree_util.tree_map(lambda a: jnp.zeros((S, R, *a.shape[1:]), a.dtype), shapes)
+    (_, ring, stats_acc), _ = jax.lax.scan(iteration, (init, ring, stats0), jnp.arange(schedule.iterations))
     # After T iterations position n is slot (n + T) % K of stage n // K: a local roll puts the slots
     # in position order; microbatch m's output is at position last_pos - (M - 1) + m.
     T = schedule.iterations
     ring = constrain(jnp.roll(ring, -(T % K), axis=1), ring_names)
     y_MBLD = ring.reshape(N, *ring.shape[2:])[last_pos - (M - 1):last_pos + 1]
     y_BLD = y_MBLD.swapaxes(0, 1).reshape(x_BLD.shape)  # the inverse of the microbatch split
-    return constrain(y_BLD, ("batch", "length", "act_embed"))
+    y_BLD = constrain(y_BLD, ("batch", "length", "act_embed"))
+    if not with_stats:
+        return y_BLD
+    # [S, R, L/(S·R), ...] -> [L, ...] in execution order: [s, r] is layer group r·S + s.
+    return y_BLD, jax.tree_util.tree_map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), stats_acc)
 
 
 def _ring_positions(S: int, M: int, K: int) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain.config import ConfigError, ModelConfig, load_config
-from jaxtrain.model.moe import MoE, route, routing_stats
+from jaxtrain.model.moe import MoE, finish_stats, route, routing_stats
 from jaxtrain.parallel.experts import routed_experts
 from jaxtrain.train.step import moe_losses, update_router_bias
 from jaxtrain.trainer import Trainer
@@ -170,7 +170,7 @@ def test_dropped_fraction_metric_reports_the_drop(tmp_path):
 def test_aux_and_z_loss_equal_hand_computed_values_and_reach_the_router():
     logits = np.array([[2.0, 0.0, -1.0, 0.5], [0.1, 0.3, 0.2, -0.4], [-1.0, 1.5, 0.0, 0.0]], np.float32)
     experts, _, probs = route(jnp.asarray(logits), jnp.zeros(4), 2, "softmax")
-    stats = routing_stats(jnp.asarray(logits), experts, probs, 4)
+    stats = finish_stats(routing_stats(jnp.asarray(logits), experts, probs, 4))
     p = np.exp(logits.astype(np.float64))
     p /= p.sum(-1, keepdims=True)
     top2 = np.argsort(-p, axis=-1)[:, :2]  # [[0, 3], [1, 2], [1, 2]]
@@ -190,7 +190,7 @@ def test_aux_and_z_loss_equal_hand_computed_values_and_reach_the_router():
     params = nnx.to_pure_dict(state)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, D)), jnp.float32)
     for key in ("balance", "z"):
-        g = jax.grad(lambda p: nnx.merge(graphdef, p)(x, jnp.float32, nnx_part(), jnp.zeros(E))[1][key])(params)
+        g = jax.grad(lambda p: finish_stats(nnx.merge(graphdef, p)(x, jnp.float32, nnx_part(), jnp.zeros(E))[1])[key])(params)
         assert np.abs(np.asarray(g["router"])).max() > 0, key
         assert np.abs(np.asarray(g["w_gate"])).max() == 0, key  # the losses see only the router
 
@@ -230,7 +230,9 @@ def test_bad_moe_configs_are_config_errors():
                              (["model.num_experts=4", "model.num_layers=3", "model.moe_every=2"], "moe_every"),
                              (["model.num_experts=4", "model.moe_every=0"], "moe_every"),
                              (["model.num_experts=4", "model.first_dense_layers=2"], "first_dense_layers"),
-                             (["model.num_experts=4", "mesh.stage=2"], "pipeline"),
+                             (["model.num_experts=4", "model.num_layers=4", "model.first_dense_layers=1",
+                               "model.moe_every=3", "mesh.stage=2", "pipeline.microbatches=2"],
+                              "the 1 MoE layers .* not divisible by mesh.stage=2"),
                              (["mesh.expert=2"], "num_experts"),
                              (["model.num_experts=4", "model.moe_aux_loss=-1"], "moe_aux_loss")):
         with pytest.raises(ConfigError, match=words):
@@ -280,7 +282,7 @@ def test_interleaved_moe_layers_run_in_their_order(layers, first_dense, every, s
         block = layer(stacks[kind], i)
         if kind == "moe":
             x, st = block(x, positions, None, jnp.float32, nnx_part(), bias[i])
-            want_stats.append(st)
+            want_stats.append(finish_stats(st))
         else:
             x = block(x, positions, None, jnp.float32, nnx_part())
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.final_norm(x)), rtol=1e-5, atol=1e-5)

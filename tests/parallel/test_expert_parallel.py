@@ -1,7 +1,9 @@
 """Expert parallelism computes what data parallelism computes: mesh.expert=4 x data=2 against
 data=8 on the same 8 simulated devices (each device routes the same group of tokens in both, so
 capacity and dropping agree too): loss, grad_norm, every gradient leaf, parameters after 3 steps;
-and checkpoints restore across expert-parallel sizes bitwise."""
+also inside pipeline stages (GPipe and circular, with fsdp, tensor, interleaved and first dense
+layers) against data=8 without a pipeline; and checkpoints restore across expert-parallel sizes
+bitwise."""
 
 from __future__ import annotations
 
@@ -63,6 +65,33 @@ def test_expert_parallel_with_fsdp_and_tensor_and_interleaved_dense_layers():
     common = ["model.capacity_factor=4.0", "model.moe_every=2"]
     want = run(["mesh.data=8", *common])
     got = run(["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", *common])
+    assert_runs_equal(got, want)
+
+
+# Inside pipeline stages: 4 layers (or 5 with a first dense layer), the routing statistics summed
+# over microbatches and stage replicas; each microbatch's groups are smaller than without the
+# pipeline, so only a capacity that drops nothing (or dropless) can agree.
+PIPELINED = {
+    "gpipe_expert2_data2_sigmoid_bias": (
+        ["model.num_layers=4", "model.capacity_factor=4.0", "model.moe_router=sigmoid",
+         "model.router_bias_update_rate=0.01"],
+        ["mesh.data=2", "mesh.stage=2", "mesh.expert=2", "pipeline.microbatches=2"]),
+    "circular_expert2_tensor2": (
+        ["model.num_layers=4", "model.capacity_factor=4.0"],
+        ["mesh.data=1", "mesh.stage=2", "mesh.expert=2", "mesh.tensor=2", "pipeline.microbatches=4",
+         "pipeline.repeats=2"]),
+    "gpipe_expert2_fsdp2_dropless_first_dense_interleaved": (
+        ["model.num_layers=5", "model.first_dense_layers=1", "model.moe_every=2", "model.capacity_factor=0"],
+        ["mesh.data=1", "mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "pipeline.microbatches=2"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINED))
+def test_expert_parallel_inside_pipeline_stages_equals_data8(case):
+    common, layout = PIPELINED[case]
+    want = run(["mesh.data=8", *common])
+    got = run([*layout, *common])
+    assert got[0]["moe_dropped_fraction"] == 0
     assert_runs_equal(got, want)
 
 
