@@ -577,13 +577,15 @@ class Trainer:
 
     def _moe_start(self) -> dict:
         """The `start` event's `moe_dispatch` (model.num_experts > 0): which dispatch the MoE layers run
-        (jaxtrain/parallel/experts.py: capacity, dropless-ragged_dot or dropless-dense-all_to_all)."""
+        (jaxtrain/parallel/experts.py: capacity, dropless-ragged_dot, dropless-ragged_all_to_all on GPU/TPU,
+        dropless-dense-all_to_all elsewhere)."""
         m = self.cfg.model
         if m.num_experts <= 0:
             return {}
         from jaxtrain.parallel.experts import dispatch_kind
         ways = math.prod(self.mesh_sizes[a] for a in _rule_axes(self.cfg.mesh.rules.get("experts")))
-        return {"moe_dispatch": dispatch_kind(m.capacity_factor, ways), "expert_parallel": ways}
+        platform = self.mesh.devices.flat[0].platform
+        return {"moe_dispatch": dispatch_kind(m.capacity_factor, ways, platform), "expert_parallel": ways}
 
     # ------------------------------------------------------------------ rollback
 

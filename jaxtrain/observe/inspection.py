@@ -284,7 +284,8 @@ def moe_report(cfg: Config, mesh_sizes: dict[str, int], parameters: dict, all_to
     layers = m.num_moe_layers
     theory = (passes * layers * cfg.train.grad_accum * buffer * (ep - 1) / ep) if ep > 1 else 0.0
     expert_bytes = sum(p["bytes_per_device"] for p in parameters.values() if "experts" in p["logical"])
-    return {"dispatch": dispatch_kind(m.capacity_factor, ep), "expert_ways": ep, "group_tokens": tokens,
+    return {"dispatch": dispatch_kind(m.capacity_factor, ep, jax.default_backend()), "expert_ways": ep,
+            "group_tokens": tokens,
             "capacity_per_expert": C if (m.capacity_factor > 0 or ep > 1) else None,
             "expert_weight_bytes_per_device": expert_bytes, "all_to_all_bytes": all_to_all_bytes,
             "all_to_all_bytes_theory": theory,

@@ -14,9 +14,15 @@ GShard and MaxText), so capacity is per group. Three ways, chosen from the confi
   second all-to-all brings the results back.
 - dropless without expert parallelism: the assignments sorted by expert and run as one grouped
   matmul (`jax.lax.ragged_dot`; on the CPU XLA expands it to masked dense matmuls).
-- dropless with expert parallelism: the capacity path with C = T (no expert can receive more than
-  every token of a group), so nothing is dropped; the buffer is E x larger than the tokens. A
-  `ragged_all_to_all` exchange is not built (docs/moe.md).
+- dropless with expert parallelism, where the platform has `ragged_all_to_all` (GPU, TPU): each
+  device sorts its assignments by expert and sends every expert device exactly the rows routed to
+  it (`jax.lax.ragged_all_to_all`, offsets from an all-gather of the per-expert counts); the
+  receiver groups what it got by its own experts, runs them as one grouped matmul
+  (`ragged_dot`), and a second ragged exchange returns the rows. Receive buffers hold ep x T x k rows
+  (any one device could be sent every assignment).
+- dropless with expert parallelism elsewhere (XLA:CPU has no ragged-all-to-all): the capacity path
+  with C = T (no expert can receive more than every token of a group), so nothing is dropped; the
+  buffer is E x larger than the tokens.
 
 Expert weights enter per device as [E / ep, D, F / tensor]: XLA gathers their fsdp shards first
 (the `embed` dimension), and the down projection's partial sums over `tensor` are added by a psum.
@@ -25,7 +31,7 @@ Expert weights enter per device as [E / ep, D, F / tensor]: XLA gathers their fs
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +40,18 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.parallel.sharding import Partitioning
 
 
-def dispatch_kind(capacity_factor: float, expert_ways: int) -> str:
-    """What `routed_experts` runs: 'capacity', 'dropless-ragged_dot' or 'dropless-dense-all_to_all'."""
+# Platforms whose XLA lowers ragged-all-to-all; XLA:CPU answers UNIMPLEMENTED (jax 0.10.2, 0.12).
+RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def dispatch_kind(capacity_factor: float, expert_ways: int, platform: str = "cpu") -> str:
+    """What `routed_experts` runs on devices of `platform`: 'capacity', 'dropless-ragged_dot',
+    'dropless-ragged_all_to_all' or 'dropless-dense-all_to_all'."""
     if capacity_factor > 0:
         return "capacity"
-    return "dropless-ragged_dot" if expert_ways == 1 else "dropless-dense-all_to_all"
+    if expert_ways == 1:
+        return "dropless-ragged_dot"
+    return "dropless-ragged_all_to_all" if platform in RAGGED_ALL_TO_ALL_PLATFORMS else "dropless-dense-all_to_all"
 
 
 def capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
@@ -55,9 +68,48 @@ def _swiglu(x, w_gate, w_up, w_down, dtype, spec_in: str, spec_out: str):
     return jnp.einsum(spec_out, jax.nn.silu(gate) * up, w_down.astype(dtype), preferred_element_type=f32)
 
 
+def _exclusive_cumsum(a: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _ragged_exchange(xs_AD, sizes_E, w_gate, w_up, w_down, dtype, ep_axes, ep, reduce_tensor, exchange):
+    """Dropless expert parallelism by ragged all-to-all: rows sorted by expert [A, D] -> their
+    experts' outputs [A, D] fp32, same order. `exchange` has `jax.lax.ragged_all_to_all`'s signature."""
+    A, D = xs_AD.shape
+    El = w_gate.shape[0]
+    me = jax.lax.axis_index(ep_axes)
+    # counts[i, j, e]: rows source device i sends to device j's local expert e.
+    counts = jax.lax.all_gather(sizes_E, ep_axes).reshape(ep, ep, El)
+    rows = counts.sum(-1)  # [source, destination]
+    send, recv = rows[me], rows[:, me]
+    send_offsets = _exclusive_cumsum(rows, axis=1)  # where each destination's rows start at the source
+    # A receiver lays out what it gets by source: source i's rows after those of sources < i.
+    recv_offsets = _exclusive_cumsum(rows, axis=0)
+    got = exchange(xs_AD, jnp.zeros((ep * A, D), xs_AD.dtype), send_offsets[me], send, recv_offsets[me], recv,
+                   axis_name=ep_axes)
+    # Each received row's local expert: the segments are (source, local expert), source-major.
+    segment = jnp.searchsorted(jnp.cumsum(counts[:, me].reshape(-1)), jnp.arange(ep * A), side="right")
+    valid = segment < ep * El
+    local_e = jnp.where(valid, segment % El, El)
+    order = jnp.argsort(local_e, stable=True)  # by local expert, the unused tail last
+    group_sizes = counts[:, me].sum(0).astype(jnp.int32)
+    f32 = jnp.float32
+    xs = got[order]
+    gate = jax.lax.ragged_dot(xs, w_gate.astype(dtype), group_sizes, preferred_element_type=f32).astype(dtype)
+    up = jax.lax.ragged_dot(xs, w_up.astype(dtype), group_sizes, preferred_element_type=f32).astype(dtype)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dtype), group_sizes, preferred_element_type=f32)
+    out = jnp.where(valid[order][:, None], reduce_tensor(out), 0.0).astype(dtype)
+    out = jnp.zeros_like(out).at[order].set(out)  # back to the received layout
+    # And back: what source i sent me returns to where it came from.
+    back = exchange(out, jnp.zeros((A, D), dtype), recv_offsets[:, me], recv, send_offsets[:, me], send,
+                    axis_name=ep_axes)
+    return back.astype(f32)
+
+
 def _group(x_TD, experts_Tk, gates_Tk, w_gate, w_up, w_down, capacity_factor, dtype,
-           num_experts: int, ep_axes: tuple[str, ...], ep: int, tensor_axes: tuple[str, ...]):
-    """One group's tokens -> (y [T, D] fp32, dropped assignments)."""
+           num_experts: int, ep_axes: tuple[str, ...], ep: int, tensor_axes: tuple[str, ...], exchange=None):
+    """One group's tokens -> (y [T, D] fp32, dropped assignments). `exchange`: a ragged all-to-all
+    for dropless expert parallelism (else the dense capacity path with C = T)."""
     T, D = x_TD.shape
     k = experts_Tk.shape[1]
     E = num_experts
@@ -69,15 +121,18 @@ def _group(x_TD, experts_Tk, gates_Tk, w_gate, w_up, w_down, capacity_factor, dt
     def reduce_tensor(y):
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 
-    if capacity_factor <= 0 and ep == 1:  # dropless: grouped matmul over tokens sorted by expert
+    if capacity_factor <= 0 and (ep == 1 or exchange is not None):  # dropless: tokens sorted by expert
         order = jnp.argsort(e_A, stable=True)
         sizes = jnp.bincount(e_A, length=E).astype(jnp.int32)
         xs = x_TD[tok_A[order]].astype(dtype)
-        f32 = jnp.float32
-        gate = jax.lax.ragged_dot(xs, w_gate.astype(dtype), sizes, preferred_element_type=f32).astype(dtype)
-        up = jax.lax.ragged_dot(xs, w_up.astype(dtype), sizes, preferred_element_type=f32).astype(dtype)
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dtype), sizes, preferred_element_type=f32)
-        out = reduce_tensor(out)
+        if ep > 1:
+            out = _ragged_exchange(xs, sizes, w_gate, w_up, w_down, dtype, ep_axes, ep, reduce_tensor, exchange)
+        else:  # one grouped matmul
+            f32 = jnp.float32
+            gate = jax.lax.ragged_dot(xs, w_gate.astype(dtype), sizes, preferred_element_type=f32).astype(dtype)
+            up = jax.lax.ragged_dot(xs, w_up.astype(dtype), sizes, preferred_element_type=f32).astype(dtype)
+            out = reduce_tensor(jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dtype), sizes,
+                                                   preferred_element_type=f32))
         y_A = jnp.zeros_like(out).at[order].set(out)
         y_TD = jnp.sum((y_A * g_A[:, None]).reshape(k, T, D), axis=0)
         return y_TD, jnp.float32(0)
@@ -105,8 +160,14 @@ def _group(x_TD, experts_Tk, gates_Tk, w_gate, w_up, w_down, capacity_factor, dt
 
 def routed_experts(x_BLD: jax.Array, experts_BLk: jax.Array, gates_BLk: jax.Array, w_gate_EDF: jax.Array,
                    w_up_EDF: jax.Array, w_down_EFD: jax.Array, capacity_factor: float, dtype: Any,
-                   part: Partitioning = Partitioning()) -> tuple[jax.Array, jax.Array]:
-    """(y [B, L, D] fp32, dropped assignments: a scalar) for routed tokens (module doc)."""
+                   part: Partitioning = Partitioning(), ragged_exchange: Callable | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """(y [B, L, D] fp32, dropped assignments: a scalar) for routed tokens (module doc).
+
+    `ragged_exchange`: the ragged all-to-all for dropless expert parallelism; None takes
+    `jax.lax.ragged_all_to_all` where the devices' platform has it (`dispatch_kind`). Tests on the
+    CPU pass an exact emulation built from a dense all-to-all.
+    """
     E = w_gate_EDF.shape[0]
     mesh = part.mesh
     if mesh is None or mesh.size == 1:
@@ -130,10 +191,14 @@ def routed_experts(x_BLD: jax.Array, experts_BLk: jax.Array, gates_BLk: jax.Arra
     if ep > 1 and not set(ep_axes) <= set(group_axes):
         raise ValueError(f"expert parallelism over {ep_axes} needs the batch split over them too (mesh.rules['batch'])")
 
+    if ragged_exchange is None and dispatch_kind(capacity_factor, ep, mesh.devices.flat[0].platform) == \
+            "dropless-ragged_all_to_all":
+        ragged_exchange = jax.lax.ragged_all_to_all
+
     def local(x, e, g, wg, wu, wd):
         b, l, d = x.shape
         y, dropped = _group(x.reshape(b * l, d), e.reshape(b * l, -1), g.reshape(b * l, -1), wg, wu, wd,
-                            capacity_factor, dtype, E, ep_axes, ep, tensor_axes)
+                            capacity_factor, dtype, E, ep_axes, ep, tensor_axes, ragged_exchange)
         return y.reshape(b, l, d), dropped.reshape(1)
 
     dropped_spec = P(group_axes or None)
