@@ -1,6 +1,8 @@
-"""Dropless expert parallelism by ragged all-to-all (jaxtrain/parallel/experts.py `_ragged_exchange`).
+"""Every dispatch kind of jaxtrain/parallel/experts.py computes the same thing, forward and gradients,
+on skewed routing (every count and offset differs, some experts get nothing): the GPU/TPU kinds
+run here too, by name, so they are tested where the CPU would otherwise choose its own.
 
-XLA:CPU has no ragged-all-to-all (UNIMPLEMENTED on jax 0.10.2 and 0.12), so here the primitive is
+Dropless expert parallelism by ragged all-to-all (`_ragged_exchange`): XLA:CPU has no ragged-all-to-all (UNIMPLEMENTED on jax 0.10.2 and 0.12), so here the primitive is
 replaced by `emulated_ragged_all_to_all`: `jax.lax.ragged_all_to_all`'s documented semantics built
 from one dense all-to-all (checked against a numpy model of those semantics below). Everything
 around it, the counts' all-gather, the send/receive offsets, the grouping by local expert, the
@@ -17,7 +19,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 from trees import assert_trees_close
 
-from jaxtrain.parallel.experts import RAGGED_ALL_TO_ALL_PLATFORMS, dispatch_kind, routed_experts
+from jaxtrain.parallel.experts import RAGGED_ALL_TO_ALL_PLATFORMS, dispatch_kind, routed_experts, tile_rows
 from jaxtrain.parallel.sharding import Partitioning
 
 
@@ -81,24 +83,57 @@ def test_ragged_exchange_equals_dispatch_without_mesh(shape):
     mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "expert", "tensor"))
     part = Partitioning(mesh, {"batch": ["data", "expert"], "experts": "expert", "moe_mlp": "tensor"})
 
-    def loss(x, gates, w, part, exchange):
-        y, dropped = routed_experts(x, experts, gates, *w, 0.0, jnp.float32, part, ragged_exchange=exchange)
+    def loss(x, gates, w, part, kind):
+        y, dropped = routed_experts(x, experts, gates, *w, 0.0, jnp.float32, part, kind=kind,
+                                    ragged_exchange=emulated_ragged_all_to_all)
         return jnp.sum(y * jnp.cos(y)), (y, dropped)
 
     grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-    want_g, (want_y, _) = jax.jit(lambda *a: grad(*a, Partitioning(), None))(x, gates, w)
-    got_g, (got_y, dropped) = jax.jit(lambda *a: grad(*a, part, emulated_ragged_all_to_all))(x, gates, w)
+    want_g, (want_y, _) = jax.jit(lambda *a: grad(*a, Partitioning(), "dropless-ragged_dot"))(x, gates, w)
+    got_g, (got_y, dropped) = jax.jit(lambda *a: grad(*a, part, "dropless-ragged_all_to_all"))(x, gates, w)
     assert float(dropped) == 0
     assert_trees_close(jax.device_get(got_y), jax.device_get(want_y), 1e-5, "output ")
     assert_trees_close(jax.device_get(got_g), jax.device_get(want_g), 1e-5, "gradient ")
     # And it is what ran: the dense path would gather a [E, T, D] buffer and all-to-all it instead.
-    hlo = jax.jit(lambda *a: loss(*a, part, emulated_ragged_all_to_all)[0]).lower(x, gates, w).as_text()
+    hlo = jax.jit(lambda *a: loss(*a, part, "dropless-ragged_all_to_all")[0]).lower(x, gates, w).as_text()
     assert "all_gather" in hlo or "all-gather" in hlo
+
+
+@pytest.mark.parametrize("tokens", [32, 1024])
+def test_single_device_kinds_agree(tokens):
+    """Dropless ragged_dot (GPU/TPU), dropless tiled (the CPU) and capacity with room for every
+    assignment (factor E / k) on one device: the same output and gradients."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(1, tokens, D)), jnp.float32)
+    p = np.array([6, 3, 2, 2, 1, 1, 0.5, 0.01]) / 15.51
+    experts = jnp.asarray(np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(tokens)])[None], jnp.int32)
+    gates = jnp.asarray(rng.uniform(0.1, 1.0, (1, tokens, K)), jnp.float32)
+    w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((E, D, F), (E, D, F), (E, F, D))]
+
+    def run(kind, factor):
+        def loss(x, gates, w):
+            y, dropped = routed_experts(x, experts, gates, *w, factor, jnp.float32, kind=kind)
+            return jnp.sum(y * jnp.cos(y)), (y, dropped)
+        g, (y, dropped) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, gates, w)
+        assert float(dropped) == 0
+        return jax.device_get((y, g))
+
+    want = run("dropless-ragged_dot", 0.0)
+    for kind, factor in (("dropless-tiled", 0.0), ("capacity", E / K)):
+        assert_trees_close(run(kind, factor), want, 1e-5, f"{kind} ")
+
+
+def test_tiles_bound_the_padding():
+    for assignments, experts in ((64, 8), (2048, 8), (65536, 64), (16, 128)):
+        m = tile_rows(assignments, experts)
+        assert 8 <= m <= 128 and m & (m - 1) == 0
+        assert m == 8 or experts * m <= assignments // 4
 
 
 def test_dispatch_is_chosen_by_platform():
     assert dispatch_kind(1.25, 4, "gpu") == "capacity"
-    assert dispatch_kind(0, 1, "gpu") == "dropless-ragged_dot"
+    assert dispatch_kind(0, 1, "cpu") == "dropless-tiled"
     assert dispatch_kind(0, 4, "cpu") == "dropless-dense-all_to_all"
     for platform in RAGGED_ALL_TO_ALL_PLATFORMS:
+        assert dispatch_kind(0, 1, platform) == "dropless-ragged_dot"
         assert dispatch_kind(0, 4, platform) == "dropless-ragged_all_to_all"
