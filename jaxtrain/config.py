@@ -777,13 +777,14 @@ def validate_pipeline(cfg: Config, stages: int) -> None:
         raise ConfigError(f"mesh.stage={stages} needs mesh.rules['layers'] = stage (pipeline stages split the stacked "
                           f"layers), got {layers!r}")
     groups = stages * p.repeats
-    if m.num_experts > 0 and m.num_moe_layers % groups:
-        raise ConfigError(f"the {m.num_moe_layers} MoE layers (each with its moe_every - 1 = {m.moe_every - 1} dense "
-                          f"layers) are not divisible by mesh.stage={stages} x pipeline.repeats={p.repeats} = {groups} "
-                          "layer groups; pick a stage count and repeats whose product divides them")
-    if m.num_layers % groups and m.num_experts == 0:
-        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.stage={stages} x pipeline.repeats="
-                          f"{p.repeats} = {groups} layer groups; pick a stage count and repeats whose product divides it")
+    # What the stages split: the layers, or a mixture of experts' units (one MoE layer with its
+    # moe_every - 1 dense layers; the first dense layers run before the pipeline).
+    units, what = ((m.num_moe_layers, f"the {m.num_moe_layers} MoE layers (each with its moe_every - 1 = "
+                    f"{m.moe_every - 1} dense layers)") if m.num_experts > 0 else
+                   (m.num_layers, f"model.num_layers={m.num_layers}"))
+    if units % groups:
+        raise ConfigError(f"{what} is not divisible by mesh.stage={stages} x pipeline.repeats={p.repeats} = {groups} "
+                          "layer groups; pick a stage count and repeats whose product divides it")
     if p.microbatches < stages:
         raise ConfigError(f"pipeline.microbatches={p.microbatches} is less than mesh.stage={stages}: every stage needs a "
                           f"microbatch of its own; use at least {stages} (the bubble (S-1)/(R*M+S-1) shrinks as M grows)")

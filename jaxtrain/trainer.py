@@ -577,8 +577,8 @@ class Trainer:
 
     def _moe_start(self) -> dict:
         """The `start` event's `moe_dispatch` (model.num_experts > 0): which dispatch the MoE layers run
-        (jaxtrain/parallel/experts.py: capacity, dropless-ragged_dot, dropless-ragged_all_to_all on GPU/TPU,
-        dropless-dense-all_to_all elsewhere)."""
+        (jaxtrain/parallel/experts.py `dispatch_kind`: capacity; dropless-ragged_dot / dropless-tiled,
+        or with expert parallelism dropless-ragged_all_to_all / dropless-dense-all_to_all, on GPU/TPU / CPU)."""
         m = self.cfg.model
         if m.num_experts <= 0:
             return {}

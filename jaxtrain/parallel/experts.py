@@ -49,7 +49,7 @@ from jaxtrain.parallel.sharding import Partitioning
 RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
-def dispatch_kind(capacity_factor: float, expert_ways: int, platform: str = "cpu") -> str:
+def dispatch_kind(capacity_factor: float, expert_ways: int, platform: str) -> str:
     """What `routed_experts` runs on devices of `platform`: 'capacity'; dropless without expert
     parallelism 'dropless-ragged_dot' (GPU/TPU: XLA's grouped matmul) or 'dropless-tiled' (the CPU,
     where XLA expands ragged_dot over every expert); dropless with it 'dropless-ragged_all_to_all'
@@ -175,7 +175,7 @@ def _group(x_TD, experts_Tk, gates_Tk, w_gate, w_up, w_down, capacity_factor, dt
         m = tile_rows(A, E)
         tiles = -(-A // m) + E
         per_expert = (jnp.sum(onehot_AE, axis=0) + m - 1) // m
-        slot_A = (jnp.cumsum(per_expert) - per_expert)[e_A] * m + pos_A
+        slot_A = _exclusive_cumsum(per_expert)[e_A] * m + pos_A
         buf = jnp.zeros((tiles * m, D), dtype).at[slot_A].add(x_TD[tok_A].astype(dtype)).reshape(tiles, m, D)
         # A tile's expert: how many experts' tiles end at or before it (E x tiles compares: cheap, where
         # searchsorted's default is a while loop).
@@ -215,9 +215,10 @@ def routed_experts(x_BLD: jax.Array, experts_BLk: jax.Array, gates_BLk: jax.Arra
     """
     E = w_gate_EDF.shape[0]
     mesh = part.mesh
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if mesh is None or mesh.size == 1:
         B, L, D = x_BLD.shape
-        kind = kind or dispatch_kind(capacity_factor, 1, jax.default_backend())
+        kind = kind or dispatch_kind(capacity_factor, 1, platform)
         y, dropped = _group(x_BLD.reshape(B * L, D), experts_BLk.reshape(B * L, -1), gates_BLk.reshape(B * L, -1),
                             w_gate_EDF, w_up_EDF, w_down_EFD, capacity_factor, dtype, E, (), 1, (), kind)
         return y.reshape(B, L, D), dropped
@@ -237,7 +238,7 @@ def routed_experts(x_BLD: jax.Array, experts_BLk: jax.Array, gates_BLk: jax.Arra
     if ep > 1 and not set(ep_axes) <= set(group_axes):
         raise ValueError(f"expert parallelism over {ep_axes} needs the batch split over them too (mesh.rules['batch'])")
 
-    kind = kind or dispatch_kind(capacity_factor, ep, mesh.devices.flat[0].platform)
+    kind = kind or dispatch_kind(capacity_factor, ep, platform)
 
     def local(x, e, g, wg, wu, wd):
         b, l, d = x.shape

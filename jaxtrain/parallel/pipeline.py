@@ -74,7 +74,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ModelConfig
 from jaxtrain.parallel.sharding import Partitioning, Rules, _targets, logical_to_spec
 
 # stack(x_BLD, positions_BL, segment_ids_BL, layers, part) runs `layers` (stacked on a leading
@@ -144,7 +144,7 @@ def accumulation_steps(grad_accum: int, schedule: Schedule | None) -> int:
     return grad_accum if schedule is None else grad_accum // schedule.folded_accum
 
 
-def pipelined_layers(m: Any) -> int:
+def pipelined_layers(m: ModelConfig) -> int:
     """Layers the stages split: all, or a mixture of experts' after its first dense layers (those run
     before the pipeline, batch-parallel over the stage devices too)."""
     return m.num_layers - (m.first_dense_layers if m.num_experts > 0 else 0)

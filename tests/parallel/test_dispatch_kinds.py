@@ -94,7 +94,8 @@ def test_ragged_exchange_equals_dispatch_without_mesh(shape):
     assert float(dropped) == 0
     assert_trees_close(jax.device_get(got_y), jax.device_get(want_y), 1e-5, "output ")
     assert_trees_close(jax.device_get(got_g), jax.device_get(want_g), 1e-5, "gradient ")
-    # And it is what ran: the dense path would gather a [E, T, D] buffer and all-to-all it instead.
+    # And it is what ran: only the ragged path all-gathers (the per-expert counts); the dense one
+    # exchanges its [E, T, D] buffer by all-to-all alone.
     hlo = jax.jit(lambda *a: loss(*a, part, "dropless-ragged_all_to_all")[0]).lower(x, gates, w).as_text()
     assert "all_gather" in hlo or "all-gather" in hlo
 
