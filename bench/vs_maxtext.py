@@ -30,7 +30,9 @@ measures its own at start-up, logged in events.jsonl; MaxText's is measured with
 right before each of its runs).
 
 XLA flags: by default both sides get the CPU flags of jaxtrain/xla_cpu.py (`--peer-flags
-same`); `--peer-flags none` runs MaxText with its defaults, `--no-flags` runs both without.
+same`; for moe-tiny they include the MoE schedule flag); `--peer-flags dense` gives MaxText the
+flags of a dense model (no MoE schedule flag), `--peer-flags none` runs MaxText with its defaults,
+`--no-flags` runs both without.
 
 MaxText is not a dependency of jaxtrain: it lives in its own Python 3.12 venv, made by
 `bench/maxtext_peer_setup.sh` (pip install "maxtext[tpu]==0.2.5", ~2.8 GB). Variant `noremat`
@@ -303,8 +305,8 @@ def main() -> None:
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="noremat")
     parser.add_argument("--model", choices=sorted(MODELS), default="cpu-tiny")
     parser.add_argument("--no-flags", action="store_true", help="no XLA CPU flags on either side")
-    parser.add_argument("--peer-flags", choices=("same", "none"), default="same",
-                        help="MaxText gets the same XLA flags as jaxtrain (default) or none")
+    parser.add_argument("--peer-flags", choices=("same", "dense", "none"), default="same",
+                        help="MaxText gets the same XLA flags as jaxtrain (default), a dense model's, or none")
     parser.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "vs_maxtext"),
                         help="the runs' logs (default: vs_maxtext in the system's temporary directory)")
     parser.add_argument("--out", default="vs_maxtext.json", help="where the result JSON is written")
@@ -323,8 +325,8 @@ def main() -> None:
     cfg = load_config(MODELS[args.model]["config"], MODELS[args.model]["overrides"])
     flops = flops_per_step(cfg)
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    flags = [] if args.no_flags else cpu_xla_flags()
-    peer_flags = flags if args.peer_flags == "same" else []
+    flags = [] if args.no_flags else cpu_xla_flags(moe=cfg.model.num_experts > 0)
+    peer_flags = {"same": flags, "dense": [] if args.no_flags else cpu_xla_flags(), "none": []}[args.peer_flags]
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     jax_version = subprocess.run([args.jaxtrain_python, "-c", "import jax; print(jax.__version__)"], capture_output=True,
