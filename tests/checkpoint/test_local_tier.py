@@ -214,15 +214,17 @@ def uninterrupted(tmp_path_factory, child_env) -> dict[int, float]:
 @pytest.mark.slow
 def test_kill_resumes_from_the_local_tier_bitwise(tmp_path, child_env, uninterrupted):
     """kill -9 of process 1 at a random step; the job restarts, restores the newest local step
-    (at most local_every_steps re-done: persistent checkpoints are 50 steps apart) and ends with
-    the uninterrupted run's losses, bitwise."""
-    kill = int(np.random.default_rng().integers(3, STEPS))
+    (persistent checkpoints are 50 steps apart) and ends with the uninterrupted run's losses,
+    bitwise. At most 2 x local_every_steps re-done: the kill comes right after a step, before its
+    save, and the newest local save begun may still be in the asynchronous writer (then the one
+    before it is the newest complete)."""
+    kill = int(np.random.default_rng().integers(5, STEPS))  # from 5: a local step before the newest begun
     out, local = tmp_path / "run", tmp_path / "local"
     r = launch(child_env, out, local, f"train.steps={STEPS}", "checkpoint.every_steps=50",
                f"chaos.kill_at_step={kill}", "chaos.kill_process=1", restarts=1)
     assert r.returncode == 0, r.stderr[-3000:]
     e = resume(out)
-    assert e["source"] == "local" and kill - 2 <= e["restored_step"] <= kill, (kill, e)
+    assert e["source"] == "local" and kill - 2 * 2 <= e["restored_step"] < kill, (kill, e)
     assert losses(out) == uninterrupted
     assert not local.exists()
     saved = [x for x in read_jsonl(out / "events.jsonl") if x["kind"] == "local_checkpoint_saved"]
