@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # jaxtrain from this checkout; its config and xla_cpu modules import no JAX
 CONFIG = "configs/moe-tiny.yaml"
 COMMON = ["checkpoint.compilation_cache_dir=null", "checkpoint.save_at_end=false", "train.log_every=100000"]
 
@@ -42,8 +43,7 @@ def variant_overrides(name: str, overrides: list[str]) -> list[str]:
     """The config overrides of variant `name` ('moe' or 'dense': the same active MLP width)."""
     if name == "moe":
         return list(overrides)
-    sys.path.insert(0, str(REPO))
-    from jaxtrain.config import load_config  # no JAX import
+    from jaxtrain.config import load_config
     m = load_config(str(REPO / CONFIG), list(overrides)).model
     width = (m.experts_per_token + m.num_shared_experts) * (m.moe_mlp_dim or m.mlp_dim)
     return [*overrides, "model.num_experts=0", f"model.mlp_dim={width}"]
@@ -52,7 +52,6 @@ def variant_overrides(name: str, overrides: list[str]) -> list[str]:
 def worker(name: str, steps: int, cpu_devices: int, overrides: list[str]) -> None:
     """One variant's process: compile, warm up, then run `steps` steps per 'run' line on stdin and
     print each round's seconds per step; 'info' prints flops_per_step, tokens and the matmul peak."""
-    sys.path.insert(0, str(REPO))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxtrain.config import load_config
     from jaxtrain.xla_cpu import cpu_xla_flags, with_flags  # no JAX import yet

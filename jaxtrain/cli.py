@@ -17,7 +17,7 @@ _STARTED_AT = time.time()  # before JAX is imported: restart_to_first_step_s cou
 from jaxtrain import env  # noqa: E402
 from jaxtrain.arguments import Parser, add_run_arguments, parse, train_parser  # noqa: E402
 from jaxtrain.checkpoint.storage import TransientStorageError  # noqa: E402  (no JAX import)
-from jaxtrain.config import ConfigError  # noqa: E402
+from jaxtrain.config import Config, ConfigError  # noqa: E402
 from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE  # noqa: E402
 
 
@@ -45,22 +45,22 @@ def _set_cpu_flags(cpu_devices: int | None, moe: bool = False) -> None:
     os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags(moe))
 
 
-def _start_jax(cpu_devices: int | None, startup_timeout_s: float, moe: bool = False) -> None:
-    """Configure XLA, then join the job. Joining waits for every process for up to
-    `startup_timeout_s` (fault.startup_timeout_s: the start-up deadline covers distributed init;
-    pods of one job may start minutes apart). `moe`: the model is a mixture of experts."""
+def _start_jax(cpu_devices: int | None, cfg: Config) -> None:
+    """Configure XLA for `cfg`, then join the job. Joining waits for every process
+    for up to fault.startup_timeout_s (the start-up deadline covers distributed init; pods of one
+    job may start minutes apart)."""
     if "jax" not in sys.modules:  # flags are read when the backend starts: too late in a notebook
-        _set_cpu_flags(cpu_devices, moe)
+        _set_cpu_flags(cpu_devices, moe=cfg.model.num_experts > 0)
     _set_cpu_devices(cpu_devices)
     from jaxtrain.launch import distributed
-    distributed.initialize(timeout_s=startup_timeout_s)
+    distributed.initialize(timeout_s=cfg.fault.startup_timeout_s)
 
 
 def _train(argv: list[str]) -> int:
     from jaxtrain.config import load_config
     args = parse(train_parser(), argv)
     cfg = load_config(args.config, args.overrides)  # phase 1, before JAX starts
-    _start_jax(args.cpu_devices, cfg.fault.startup_timeout_s, cfg.model.num_experts > 0)
+    _start_jax(args.cpu_devices, cfg)
     from jaxtrain.trainer import Trainer
     # Progress goes to stdout whatever it is: a terminal gets one line rewritten in place,
     # anything else (SLURM output files, Kubernetes logs, CI, `| tee`) one plain line per log step.
@@ -163,7 +163,7 @@ def _inspect(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parse(p, argv)
     cfg = load_config(args.config, args.overrides)
-    _start_jax(args.cpu_devices, cfg.fault.startup_timeout_s, cfg.model.num_experts > 0)
+    _start_jax(args.cpu_devices, cfg)
     from jaxtrain.observe.inspection import format_report, inspect_report
     report = inspect_report(cfg)
     print(json.dumps(report) if args.json else format_report(report, per_parameter=args.parameters))
@@ -179,7 +179,7 @@ def _preflight(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parse(p, argv)
     cfg = load_config(args.config, args.overrides)
-    _start_jax(args.cpu_devices, cfg.fault.startup_timeout_s, cfg.model.num_experts > 0)
+    _start_jax(args.cpu_devices, cfg)
     import jax
 
     from jaxtrain.fault.preflight import run_preflight

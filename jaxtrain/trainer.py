@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -568,7 +569,8 @@ class Trainer:
                        compile_s=round(self.compile_s, 3), started_at=self._started_at,
                        entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
-                       **self._moe_start())
+                       # what XLA was started with (`jaxtrain train` adds jaxtrain/xla_cpu.py's on the CPU)
+                       xla_flags=os.environ.get("XLA_FLAGS", "").split(), **self._moe_start())
         self.throughput.restart(self._host_step)
 
     def _router_bias(self):

@@ -13,8 +13,8 @@
   (`cpu_xla_flags(moe=True)`): XLA's CPU schedule orders the program so that independent ops run
   at once on the intra-op thread pool. That helps the dense model (off, its step is ~15% slower)
   and hurts the MoE step: moe-tiny's dropless step 0.034 -> 0.025 s with it off on jax 0.10.2,
-  0.035 -> 0.023 s on 0.12.0.1; capacity inside the layer scan 0.050 -> 0.024 s (2 cores;
-  docs/moe.md). The cliff follows the experts' matmul shapes (at equal rows, tiles of <= 128 rows
+  0.033-0.035 -> 0.021-0.023 s on 0.12.0.1; capacity inside the layer scan 0.039 -> 0.025 s
+  (2 cores; docs/moe.md). The cliff follows the experts' matmul shapes (at equal rows, tiles of <= 128 rows
   slow, >= 160 not), not the cost of any one op. Only the process flag changes the schedule: the
   same option given per program (`compiler_options`) leaves the compiled HLO as it was.
 

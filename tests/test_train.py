@@ -29,9 +29,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_train_entry_point_writes_the_run_directory(tmp_path):
+@pytest.mark.parametrize("config", [TINY, MOE_TINY], ids=["tiny", "moe-tiny"])
+def test_train_entry_point_writes_the_run_directory(tmp_path, config):
     out = tmp_path / "run"
-    r = jaxtrain("train", "--config", str(TINY), f"run.output_dir={out}", "train.steps=3", "train.log_every=1",
+    r = jaxtrain("train", "--config", str(config), f"run.output_dir={out}", "train.steps=3", "train.log_every=1",
                  "--cpu-devices", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert load_config(out / "config.yaml").train.steps == 3  # the resolved config round-trips
@@ -45,6 +46,11 @@ def test_train_entry_point_writes_the_run_directory(tmp_path):
     start = events[0]
     assert start["kind"] == "start" and start["devices"] == 2 and start["mesh"]["data"] == 2
     assert start["params"] > 0 and 0 < start["entropy_floor"] < 5
+    # XLA got the CPU flags of the config's kind: a mixture of experts runs without the
+    # concurrency-optimised schedule, a dense model keeps it (jaxtrain/xla_cpu.py)
+    from jaxtrain.xla_cpu import NO_CONCURRENCY_SCHEDULE, YNN_FUSIONS
+    assert YNN_FUSIONS in start["xla_flags"], start["xla_flags"]
+    assert (NO_CONCURRENCY_SCHEDULE in start["xla_flags"]) == (config == MOE_TINY), start["xla_flags"]
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 3
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
 

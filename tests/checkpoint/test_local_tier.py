@@ -182,7 +182,7 @@ def launch(env: dict, out: Path, local: Path, *overrides: str, restarts: int = 0
                            "--cpu-devices", "1", "--isolate-after", str(isolate_after),
                            "--max-restarts", str(restarts), "--grace-period-s", "2", "--", "train", "--config", TINY,
                            *SMALL, f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={env['CACHE']}",
-                           f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "fault.preflight=false",
+                           f"checkpoint.local_dir={local}", f"checkpoint.local_every_steps={LOCAL_EVERY}", "fault.preflight=false",
                            *overrides], env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -199,6 +199,7 @@ def resume(out: Path) -> dict:
 
 
 STEPS = 12
+LOCAL_EVERY = 2  # checkpoint.local_every_steps of `launch`
 
 
 @pytest.fixture(scope="module")
@@ -224,11 +225,11 @@ def test_kill_resumes_from_the_local_tier_bitwise(tmp_path, child_env, uninterru
                f"chaos.kill_at_step={kill}", "chaos.kill_process=1", restarts=1)
     assert r.returncode == 0, r.stderr[-3000:]
     e = resume(out)
-    assert e["source"] == "local" and kill - 2 * 2 <= e["restored_step"] < kill, (kill, e)
+    assert e["source"] == "local" and kill - 2 * LOCAL_EVERY <= e["restored_step"] < kill, (kill, e)
     assert losses(out) == uninterrupted
     assert not local.exists()
     saved = [x for x in read_jsonl(out / "events.jsonl") if x["kind"] == "local_checkpoint_saved"]
-    assert saved and all(x["step"] % 2 == 0 for x in saved)
+    assert saved and all(x["step"] % LOCAL_EVERY == 0 for x in saved)
     # `jaxtrain goodput` books the local saves' blocking as checkpoint time: the same run without
     # those events has less of it
     from jaxtrain.observe.goodput import goodput
