@@ -16,7 +16,9 @@ The per-process numbers are gathered (`hostcomm.LateAllGather`), so every proces
 same verdict: a process whose matmul rate is below `fault.preflight_factor` x the median is named;
 links are judged by `preflight_plan.verdict` (intra-node pairs against intra-node ones, inter-node
 against inter-node; a process by the median of its own pairs against the pairs not touching it;
-a pair against the pairs touching no named process). The `preflight` event has every number.
+a pair against the pairs touching no named process). The rounds holding anything flagged are
+measured once more and judged on the better of the two figures (`rounds_confirmed`): a bad link is
+slow both times, a burst of load is not. The `preflight` event has every number.
 `fault.preflight_action: exit` makes a named process stop the job with exit 75, so the scheduler
 replaces the node.
 
@@ -39,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client, next_call, wait_key
 from jaxtrain.config import Config
 from jaxtrain.fault.hostcomm import LateAllGather
-from jaxtrain.fault.preflight_plan import plan_rounds, verdict
+from jaxtrain.fault.preflight_plan import better_of, plan_rounds, rounds_to_confirm, verdict
 
 
 def _best_time(fn: Callable[[], Any], repeats: int, slow_s: float = 0.0, min_total_s: float = 0.0) -> float:
@@ -243,7 +245,9 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
     mine = _local_matmul_tflops(mesh, matmul_n, repeats, slow_s, in_turns=cpu,
                                 timeout_s=cfg.checkpoint.barrier_timeout_s)
     axes = {a: axis_bandwidth(mesh, a, mbytes, repeats) for a in mesh.axis_names if mesh.shape[a] > 1}
+    factor = cfg.fault.preflight_factor
     pairs: dict[tuple[int, int], float] = {}
+    again: list[int] = []
     rounds = plan_rounds(hosts) if count > 1 else []
     rails = len(mesh.local_devices)
     if count > 1:
@@ -252,19 +256,29 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
         slow_links = {(min(i, j), max(i, j)) for i, j in c.slow_link_pairs()}
         # On the CPU the processes of one machine share its cores: the best of more exchanges
         # filters out their load (an exchange takes milliseconds there).
-        seen = round_bandwidths(rounds, mbytes, max(repeats, CPU_EXCHANGE_REPEATS) if cpu else repeats, slow_links,
-                                c.slow_link_seconds, xmesh)
+        exchange_repeats = max(repeats, CPU_EXCHANGE_REPEATS) if cpu else repeats
+        seen = round_bandwidths(rounds, mbytes, exchange_repeats, slow_links, c.slow_link_seconds, xmesh)
         gather = LateAllGather(mesh)
         gather.start(0, np.concatenate([[mine], seen]))
         table = gather.result(1)  # (process, 1 + rounds): the same numbers on every process
         matmul = table[:, 0].tolist()
         pairs = dict(sorted(pair_table(rounds, table[:, 1:]).items()))
+        links = verdict(pairs, hosts, factor)  # per-process and per-pair, intra-node and inter-node apart
+        again = rounds_to_confirm(rounds, links)  # the same list on every process, as the table is
+        if again:
+            # A second look at what was flagged, each figure the better of the two: a bad link is
+            # slow both times, a burst of load on a shared machine (CI once flagged a healthy pair
+            # of three processes on two cores) is not.
+            seen = round_bandwidths([rounds[k] for k in again], mbytes, exchange_repeats, slow_links,
+                                    c.slow_link_seconds, xmesh)
+            gather.start(2, seen)
+            pairs = better_of(pairs, pair_table([rounds[k] for k in again], gather.result(3)))
+            links = verdict(pairs, hosts, factor)
     else:
         matmul = [mine]
-    factor = cfg.fault.preflight_factor
+        links = verdict(pairs, hosts, factor)
     median_matmul = statistics.median(matmul)
     slow_devices = [p for p, v in enumerate(matmul) if v < factor * median_matmul]
-    links = verdict(pairs, hosts, factor)  # per-process and per-pair, intra-node and inter-node apart
     named = sorted(set(slow_devices) | set(links["named"]))
     slow_pairs = links["slow_pairs"]
     report = {"processes": count, "hosts": hosts, "matmul_tflops": [round(v, 4) for v in matmul],
@@ -275,7 +289,7 @@ def run_preflight(cfg: Config, mesh: Mesh, hosts: list[str], event: Callable[...
               "slow_pairs": slow_pairs, "slow_pair_hosts": [[hosts[i], hosts[j]] for i, j in slow_pairs],
               "named_for_links": links["named"],
               "reference_gbps": {k: round(v, 3) for k, v in links["reference_gbps"].items()},
-              "rounds": len(rounds), "rails": rails,
+              "rounds": len(rounds), "rounds_confirmed": again, "rails": rails,
               "action": cfg.fault.preflight_action}
     event("preflight", 0, **report)
     return report

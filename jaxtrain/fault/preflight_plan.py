@@ -177,3 +177,18 @@ def verdict(gbps: Mapping[Pair, float], hosts: Sequence[str], factor: float) -> 
             if ref is not None and v < factor * ref:
                 slow.append(q)
     return {"named": sorted(named), "slow_pairs": [list(p) for p in sorted(slow)], "reference_gbps": reference}
+
+
+def rounds_to_confirm(rounds: Sequence[Sequence[Pair]], judged: Mapping) -> list[int]:
+    """The rounds holding a pair the first `verdict` flagged: a slow pair or a pair of a named
+    process. Measured again, they tell a bad link (slow every time) from a moment's load on a shared
+    machine or network (which a second look misses); every process reaches the same list."""
+    named = set(judged["named"])
+    slow = {tuple(p) for p in judged["slow_pairs"]}
+    return [k for k, matching in enumerate(rounds)
+            if any((i, j) in slow or i in named or j in named for i, j in matching)]
+
+
+def better_of(first: Mapping[Pair, float], second: Mapping[Pair, float]) -> dict[Pair, float]:
+    """Each pair's faster figure of two looks (`second` may hold only the pairs measured again)."""
+    return {p: max(v, second.get(p, v)) for p, v in first.items()}

@@ -16,8 +16,8 @@ import statistics
 
 import pytest
 
-from jaxtrain.fault.preflight_plan import (ALL_PAIRS_UP_TO, INTER, INTRA, pair_class, plan_rounds, ring, round_robin,
-                                           verdict)
+from jaxtrain.fault.preflight_plan import (ALL_PAIRS_UP_TO, INTER, INTRA, better_of, pair_class, plan_rounds, ring,
+                                           round_robin, rounds_to_confirm, verdict)
 
 FACTOR = 0.7  # fault.preflight_factor's default
 
@@ -197,3 +197,35 @@ def test_many_bad_cards_among_1000_processes_are_each_named():
     bad = (5, 77, 400, 999)
     v = judge(hosts, bad=bad, bad_factor=0.3, noise=0.15)
     assert v["named"] == list(bad), v["named"]
+
+
+# ----------------------------------------------------------------------------- the second look
+
+
+def test_a_burst_of_load_on_a_healthy_pair_is_cleared_by_the_second_look_and_a_bad_link_is_not():
+    """CI's case: three processes on two cores, the link 0-2 slowed (0.05 GB/s), and the healthy pair
+    1-2 timed during a burst of load (0.2 of 1.5 GB/s): the first verdict flags both pairs."""
+    hosts = ["a", "b", "c"]
+    rounds = plan_rounds(hosts)
+    first = {(0, 1): 1.5, (0, 2): 0.05, (1, 2): 0.2}
+    judged = verdict(first, hosts, 0.3)
+    assert judged["slow_pairs"] == [[0, 2], [1, 2]]
+    again = rounds_to_confirm(rounds, judged)
+    assert sorted(p for k in again for p in rounds[k]) == [(0, 2), (1, 2)]
+    second = {p: {(0, 2): 0.06, (1, 2): 1.4}[p] for k in again for p in rounds[k]}  # the bad link is slow again
+    v = verdict(better_of(first, second), hosts, 0.3)
+    assert v["slow_pairs"] == [[0, 2]] and v["named"] == [], v
+
+
+def test_a_named_process_has_all_its_rounds_looked_at_again_and_a_clean_verdict_none():
+    hosts = [f"h{p}" for p in range(5)]
+    rounds = plan_rounds(hosts)
+    judged = judge(hosts, bad={3}, bad_factor=0.1, noise=0.05)
+    assert judged["named"] == [3]
+    assert sorted(k for k, m in enumerate(rounds) if any(3 in p for p in m)) == rounds_to_confirm(rounds, judged)
+    assert rounds_to_confirm(rounds, judge(hosts, noise=0.05)) == []
+
+
+def test_the_better_of_two_looks_keeps_pairs_looked_at_once():
+    assert better_of({(0, 1): 1.0, (0, 2): 0.1}, {(0, 2): 0.5}) == {(0, 1): 1.0, (0, 2): 0.5}
+    assert better_of({(0, 1): 1.0}, {(0, 1): 0.2}) == {(0, 1): 1.0}
