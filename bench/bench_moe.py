@@ -3,9 +3,10 @@ active parameters (mlp_dim = experts_per_token x moe_mlp_dim, + shared), on the 
 
   python bench/bench_moe.py [--steps 30] [--rounds 3] [--cpu-devices 1] [--outside 50,450] [override ...]
 
-Each variant runs in its own process with the XLA flags `jaxtrain train` gives its config
-(`cpu_xla_flags(moe=...)`: a mixture of experts runs without XLA's concurrency-optimised schedule,
-the dense model with it; jaxtrain/xla_cpu.py), so neither is timed under the other's flags.
+Each variant runs in its own process, set up as `jaxtrain train` sets up the CPU: the XLA flags of
+jaxtrain/xla_cpu.py (the same for both) and glibc malloc keeping freed memory
+(jaxtrain/host_malloc.py; without it the MoE step's time depends on how many of its buffers glibc
+returns to the kernel at each step).
 
 - own timer: both workers are built and compiled once, then timed in alternating rounds (each
   round: the worker runs `--steps` steps, timed by its wall clock around its `Trainer.step` calls,
@@ -55,8 +56,10 @@ def worker(name: str, steps: int, cpu_devices: int, overrides: list[str]) -> Non
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxtrain.config import load_config
     from jaxtrain.xla_cpu import cpu_xla_flags, with_flags  # no JAX import yet
-    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags(moe=name == "moe")
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags()
                                          + [f"--xla_force_host_platform_device_count={cpu_devices}"])
+    from jaxtrain.host_malloc import retain_freed_memory
+    retain_freed_memory()
     import jax
 
     from jaxtrain.observe.throughput import flops_per_step, measure_matmul_peak

@@ -30,9 +30,10 @@ measures its own at start-up, logged in events.jsonl; MaxText's is measured with
 right before each of its runs).
 
 XLA flags: by default both sides get the CPU flags of jaxtrain/xla_cpu.py (`--peer-flags
-same`; for moe-tiny they include the MoE schedule flag); `--peer-flags dense` gives MaxText the
-flags of a dense model (no MoE schedule flag), `--peer-flags none` runs MaxText with its defaults,
-`--no-flags` runs both without.
+same`); `--peer-flags none` runs MaxText with its defaults, `--no-flags` runs both without.
+glibc malloc: `jaxtrain train` keeps freed memory on the CPU (jaxtrain/host_malloc.py); MaxText
+gets the same settings as environment variables (`--peer-malloc same`, the default) or glibc's
+defaults (`--peer-malloc default`).
 
 MaxText is not a dependency of jaxtrain: it lives in its own Python 3.12 venv, made by
 `bench/maxtext_peer_setup.sh` (pip install "maxtext[tpu]==0.2.5", ~2.8 GB). Variant `noremat`
@@ -61,7 +62,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from jaxtrain.xla_cpu import cpu_xla_flags  # noqa: E402  (no JAX import)
+from jaxtrain.host_malloc import env_equivalent  # noqa: E402  (no JAX import)
+from jaxtrain.xla_cpu import cpu_xla_flags  # noqa: E402
+
+PEER_MALLOC: dict[str, str] = {}  # MaxText's glibc malloc variables (--peer-malloc), set in main
 
 MAXTEXT_VERSION = "0.2.5"
 CPU_TINY = REPO / "configs/bench/cpu-tiny.yaml"
@@ -124,8 +128,8 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def cpu_env(xla_flags: list[str]) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+def cpu_env(xla_flags: list[str], malloc: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(malloc or {}),
                XLA_FLAGS=" ".join(xla_flags + ["--xla_force_host_platform_device_count=1"]))
     env.pop("PYTHONPATH", None)  # keep the two venvs apart
     return env
@@ -188,7 +192,8 @@ def check_maxtext(python: str, flags: list[str]) -> dict:
     probe = ("import json, sys, importlib.metadata as md, pathlib, jax, maxtext\n"
              "print(json.dumps({'python': sys.version.split()[0], 'maxtext': md.version('maxtext'), 'jax': jax.__version__,"
              " 'base_yml': str(pathlib.Path(maxtext.__file__).parent / 'configs' / 'base.yml')}))")
-    r = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=cpu_env(flags), timeout=300)
+    r = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=cpu_env(flags, PEER_MALLOC),
+                       timeout=300)
     if r.returncode != 0:
         raise PeerUnavailable(f"`{python} -c 'import maxtext, jax'` failed (rc={r.returncode}): {r.stderr.strip()[-1500:]}")
     info = json.loads(r.stdout.strip().splitlines()[-1])
@@ -208,14 +213,14 @@ def maxtext_command(python: str, base_yml: str, steps: int, variant: str, run_na
 
 def run_maxtext(python: str, base_yml: str, steps: int, skip: int, variant: str, flags: list[str], log: Path,
                 model: str = "cpu-tiny") -> dict:
-    r = subprocess.run([python, "-c", PEAK_SNIPPET], capture_output=True, text=True, env=cpu_env(flags))
+    r = subprocess.run([python, "-c", PEAK_SNIPPET], capture_output=True, text=True, env=cpu_env(flags, PEER_MALLOC))
     if r.returncode != 0:
         raise PeerUnavailable(f"matmul peak under the MaxText venv failed: {r.stderr.strip()[-1500:]}")
     peak = json.loads(r.stdout.strip().splitlines()[-1])["matmul_peak_flops"]
     with tempfile.TemporaryDirectory(prefix="vs_maxtext_mt_") as out:
         cmd = maxtext_command(python, base_yml, steps, variant, f"peer_{log.stem}", out, model)
         load = loadavg()
-        wall, rc, marks = run_streaming(cmd, cpu_env(flags), out, log, MAXTEXT_STEP)
+        wall, rc, marks = run_streaming(cmd, cpu_env(flags, PEER_MALLOC), out, log, MAXTEXT_STEP)
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         raise PeerUnavailable(f"MaxText exited rc={rc} (log {log}); last lines:\n{tail}")
@@ -305,8 +310,10 @@ def main() -> None:
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="noremat")
     parser.add_argument("--model", choices=sorted(MODELS), default="cpu-tiny")
     parser.add_argument("--no-flags", action="store_true", help="no XLA CPU flags on either side")
-    parser.add_argument("--peer-flags", choices=("same", "dense", "none"), default="same",
-                        help="MaxText gets the same XLA flags as jaxtrain (default), a dense model's, or none")
+    parser.add_argument("--peer-flags", choices=("same", "none"), default="same",
+                        help="MaxText gets the same XLA flags as jaxtrain (default) or none")
+    parser.add_argument("--peer-malloc", choices=("same", "default"), default="same",
+                        help="MaxText gets jaxtrain's glibc malloc settings (default) or glibc's defaults")
     parser.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "vs_maxtext"),
                         help="the runs' logs (default: vs_maxtext in the system's temporary directory)")
     parser.add_argument("--out", default="vs_maxtext.json", help="where the result JSON is written")
@@ -325,8 +332,9 @@ def main() -> None:
     cfg = load_config(MODELS[args.model]["config"], MODELS[args.model]["overrides"])
     flops = flops_per_step(cfg)
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    flags = [] if args.no_flags else cpu_xla_flags(moe=cfg.model.num_experts > 0)
-    peer_flags = {"same": flags, "dense": [] if args.no_flags else cpu_xla_flags(), "none": []}[args.peer_flags]
+    flags = [] if args.no_flags else cpu_xla_flags()
+    peer_flags = {"same": flags, "none": []}[args.peer_flags]
+    PEER_MALLOC.update(env_equivalent() if args.peer_malloc == "same" else {})
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     jax_version = subprocess.run([args.jaxtrain_python, "-c", "import jax; print(jax.__version__)"], capture_output=True,
@@ -373,7 +381,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cores", "variant": args.variant,
         "rounds_run": args.rounds, "short_steps": args.short, "long_steps": args.long, "skip": args.skip,
         "jax": {"jaxtrain": jax_version, "maxtext": info["jax"]}, "maxtext_version": info["maxtext"],
-        "xla_flags": {"jaxtrain": flags, "maxtext": peer_flags},
+        "xla_flags": {"jaxtrain": flags, "maxtext": peer_flags}, "maxtext_malloc_env": dict(PEER_MALLOC),
         "model_flops_per_step": flops, "tokens_per_step": tokens, "load_avg_end": loadavg(),
         "summary": summarize(rounds, flops, tokens), "rounds": rounds,
     }

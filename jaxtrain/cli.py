@@ -34,23 +34,31 @@ def _set_cpu_devices(n: int | None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def _set_cpu_flags(cpu_devices: int | None, moe: bool = False) -> None:
+def _set_cpu_flags(cpu_devices: int | None) -> None:
     """On the CPU, XLA's faster CPU paths (jaxtrain/xla_cpu.py: YNNPACK for elementwise ops and
-    reductions too, wide vectors; for a mixture of experts no concurrency-optimised schedule):
-    10-15% less step time, the same numerics to fp32 rounding. Flags the user set win; machines
-    with an accelerator are left alone."""
-    from jaxtrain.xla_cpu import cpu_xla_flags, has_accelerator_hint, with_flags
-    if cpu_devices is None and os.environ.get("JAX_PLATFORMS", "") != "cpu" and has_accelerator_hint():
-        return
-    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags(moe))
+    reductions too, wide vectors): 10-15% less step time, the same numerics to fp32 rounding.
+    Flags the user set win; machines with an accelerator are left alone."""
+    from jaxtrain.xla_cpu import cpu_xla_flags, with_flags
+    if _on_cpu(cpu_devices):
+        os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags())
+
+
+def _on_cpu(cpu_devices: int | None) -> bool:
+    """Whether this process runs JAX on the CPU (simulated devices asked for, JAX_PLATFORMS=cpu, or
+    no sign of a GPU or TPU)."""
+    from jaxtrain.xla_cpu import has_accelerator_hint
+    return cpu_devices is not None or os.environ.get("JAX_PLATFORMS", "") == "cpu" or not has_accelerator_hint()
 
 
 def _start_jax(cpu_devices: int | None, cfg: Config) -> None:
-    """Configure XLA for `cfg`, then join the job. Joining waits for every process
-    for up to fault.startup_timeout_s (the start-up deadline covers distributed init; pods of one
-    job may start minutes apart)."""
+    """Configure XLA and the host's malloc for `cfg`, then join the job. Joining waits for every
+    process for up to fault.startup_timeout_s (the start-up deadline covers distributed init; pods
+    of one job may start minutes apart)."""
+    if _on_cpu(cpu_devices):  # XLA:CPU's buffers are malloc'd at every step (jaxtrain/host_malloc.py)
+        from jaxtrain.host_malloc import retain_freed_memory
+        retain_freed_memory()
     if "jax" not in sys.modules:  # flags are read when the backend starts: too late in a notebook
-        _set_cpu_flags(cpu_devices, moe=cfg.model.num_experts > 0)
+        _set_cpu_flags(cpu_devices)
     _set_cpu_devices(cpu_devices)
     from jaxtrain.launch import distributed
     distributed.initialize(timeout_s=cfg.fault.startup_timeout_s)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain import __version__, env
+from jaxtrain import __version__, env, host_malloc
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
 from jaxtrain.checkpoint.compilation_cache import last_compile_s, shared_cache_run_dir
 from jaxtrain.checkpoint.local_tier import LocalTier
@@ -570,7 +570,8 @@ class Trainer:
                        entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
                        # what XLA was started with (`jaxtrain train` adds jaxtrain/xla_cpu.py's on the CPU)
-                       xla_flags=os.environ.get("XLA_FLAGS", "").split(), **self._moe_start())
+                       xla_flags=os.environ.get("XLA_FLAGS", "").split(), host_malloc=host_malloc.applied(),
+                       **self._moe_start())
         self.throughput.restart(self._host_step)
 
     def _router_bias(self):

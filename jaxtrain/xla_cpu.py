@@ -9,14 +9,13 @@
   write, ~30 ms per layer on cpu-tiny) run as YNNPACK kernels instead.
 - `--xla_cpu_prefer_vector_width=512`: let LLVM use 512-bit vectors for XLA's own loops (only on
   CPUs with AVX-512; LLVM's default preference is 256).
-- `--xla_cpu_enable_concurrency_optimized_scheduler=false`, for a mixture of experts only
-  (`cpu_xla_flags(moe=True)`): XLA's CPU schedule orders the program so that independent ops run
-  at once on the intra-op thread pool. That helps the dense model (off, its step is ~15% slower)
-  and hurts the MoE step: moe-tiny's dropless step 0.034 -> 0.025 s with it off on jax 0.10.2,
-  0.033-0.035 -> 0.021-0.023 s on 0.12.0.1; capacity inside the layer scan 0.039 -> 0.025 s
-  (2 cores; docs/moe.md). The cliff follows the experts' matmul shapes (at equal rows, tiles of <= 128 rows
-  slow, >= 160 not), not the cost of any one op. Only the process flag changes the schedule: the
-  same option given per program (`compiler_options`) leaves the compiled HLO as it was.
+
+XLA's concurrency-optimised schedule (on by default) stays on for every model. The MoE step once
+looked 35-50% slower with it (0.034 against 0.025 s on moe-tiny), and a flag turned it off for a
+mixture of experts. The cause was page faults, not the schedule: with it, the step's temporaries
+grew past 32 MiB, above which glibc maps memory afresh at every step. With jaxtrain/host_malloc.py's
+settings, which `jaxtrain train` applies on the CPU, the MoE step runs as fast with the schedule
+as without, and the dense one keeps its ~15% gain from it.
 
 Measured on cpu-tiny (2 cores, AMD EPYC with AVX-512; docs/bench_cpu_tiny.md): 10-15% less step
 time on jax 0.10.2 and 0.12.0.1, and MaxText's step gains about as much from the same flags.
@@ -31,7 +30,6 @@ from pathlib import Path
 
 YNN_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
 VECTOR_512 = "--xla_cpu_prefer_vector_width=512"
-NO_CONCURRENCY_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def has_accelerator_hint() -> bool:
@@ -61,12 +59,12 @@ def _jaxlib_checked() -> bool:
     return CHECKED_JAXLIB[0] <= (major, minor) <= CHECKED_JAXLIB[1]
 
 
-def cpu_xla_flags(moe: bool = False) -> list[str]:
+def cpu_xla_flags() -> list[str]:
     """The recommended XLA flags for this CPU (to be set before JAX starts); none for a jaxlib
-    these flags were not checked with. `moe`: the model is a mixture of experts (module doc)."""
+    these flags were not checked with."""
     if not _jaxlib_checked():
         return []
-    return [YNN_FUSIONS] + ([VECTOR_512] if has_avx512() else []) + ([NO_CONCURRENCY_SCHEDULE] if moe else [])
+    return [YNN_FUSIONS] + ([VECTOR_512] if has_avx512() else [])
 
 
 # YNNPACK's elementwise and reduce fusions cost memory: the buffers of its fusions are not shared the

@@ -18,6 +18,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 # tests' fake endpoints lack, 60 s per lookup (tests/storage_servers.py sets it for subprocesses).
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
+from jaxtrain.host_malloc import retain_freed_memory  # noqa: E402
+
+retain_freed_memory()  # what `jaxtrain train` does on the CPU: in-process Trainers run as it would
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

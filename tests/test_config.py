@@ -180,23 +180,6 @@ def test_cpu_runs_get_the_fast_xla_cpu_flags_unless_the_user_set_them(monkeypatc
     assert YNN_FUSIONS in os.environ["XLA_FLAGS"].split()
 
 
-def test_a_mixture_of_experts_runs_without_the_concurrency_schedule(monkeypatch):
-    # XLA's concurrency-optimised CPU schedule slows the MoE step (~1.4x at moe-tiny) and speeds
-    # the dense one (jaxtrain/xla_cpu.py): only MoE runs lose it, and a user's own setting wins.
-    from jaxtrain import cli
-    from jaxtrain.xla_cpu import NO_CONCURRENCY_SCHEDULE, cpu_xla_flags
-    assert NO_CONCURRENCY_SCHEDULE in cpu_xla_flags(moe=True) and NO_CONCURRENCY_SCHEDULE not in cpu_xla_flags()
-    monkeypatch.setenv("XLA_FLAGS", "")
-    cli._set_cpu_flags(cpu_devices=2, moe=True)
-    assert NO_CONCURRENCY_SCHEDULE in os.environ["XLA_FLAGS"].split()
-    monkeypatch.setenv("XLA_FLAGS", "")
-    cli._set_cpu_flags(cpu_devices=2)
-    assert NO_CONCURRENCY_SCHEDULE not in os.environ["XLA_FLAGS"].split()
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
-    cli._set_cpu_flags(cpu_devices=2, moe=True)
-    assert NO_CONCURRENCY_SCHEDULE not in os.environ["XLA_FLAGS"].split()
-
-
 @pytest.mark.parametrize("overrides, message", [
     # The markov source evaluates on its own held-out stream: a data.eval path would be ignored.
     (["data.eval=/data/held_out.bin"], "data.eval='/data/held_out.bin' is for the tokens and text sources"),

@@ -46,11 +46,13 @@ def test_train_entry_point_writes_the_run_directory(tmp_path, config):
     start = events[0]
     assert start["kind"] == "start" and start["devices"] == 2 and start["mesh"]["data"] == 2
     assert start["params"] > 0 and 0 < start["entropy_floor"] < 5
-    # XLA got the CPU flags of the config's kind: a mixture of experts runs without the
-    # concurrency-optimised schedule, a dense model keeps it (jaxtrain/xla_cpu.py)
-    from jaxtrain.xla_cpu import NO_CONCURRENCY_SCHEDULE, YNN_FUSIONS
+    # XLA got the CPU flags, the same for a mixture of experts as for a dense model, and glibc keeps
+    # freed memory (jaxtrain/xla_cpu.py, jaxtrain/host_malloc.py)
+    from jaxtrain import host_malloc
+    from jaxtrain.xla_cpu import YNN_FUSIONS
     assert YNN_FUSIONS in start["xla_flags"], start["xla_flags"]
-    assert (NO_CONCURRENCY_SCHEDULE in start["xla_flags"]) == (config == MOE_TINY), start["xla_flags"]
+    assert not any("concurrency_optimized_scheduler" in f for f in start["xla_flags"]), start["xla_flags"]
+    assert start["host_malloc"] == {name: value for name, (_, value) in host_malloc.SETTINGS.items()}
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 3
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
 
