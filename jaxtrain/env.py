@@ -4,7 +4,8 @@ They are the contract between whoever starts a process (`jaxtrain launch`, `trai
 Kubernetes JobSet, the TPU launch script) and the process itself. The cluster recipes spell the
 same names in shell/YAML; `tests/launch/test_env_contract.py` checks that every name they set is
 one of these and that the ones a process needs are set. Only entry points read the environment
-(`cli`, `launch/`, and `trainer` at start-up, which hands the values down as arguments).
+(`cli`, `launch/`, and `trainer` at start-up, which hands the values down as arguments;
+`host_malloc`, which `cli` calls before JAX starts).
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ EXITS = "JAXTRAIN_EXITS"  # per-attempt file: one "time task node exit-code" lin
 # (the preflight verdict compares intra-node with intra-node links). Never set on a cluster.
 HOST = "JAXTRAIN_HOST"
 
-ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS, HOST)
+# CPU runs: "default" leaves glibc malloc's settings as they are (`host_malloc.py` says why it
+# changes them otherwise).
+HOST_MALLOC = "JAXTRAIN_HOST_MALLOC"
+
+ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS, HOST,
+       HOST_MALLOC)
 
 # Settings of the setup scripts themselves, never read by a jaxtrain process.
 SCRIPT_SETTINGS = (

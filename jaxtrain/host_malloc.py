@@ -40,6 +40,8 @@ import os
 import platform
 import sys
 
+from jaxtrain import env
+
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc malloc.h
 SETTINGS = {"mmap_max": (M_MMAP_MAX, 0), "trim_threshold": (M_TRIM_THRESHOLD, 1 << 30),
             "top_pad": (M_TOP_PAD, 64 << 20)}
@@ -53,8 +55,8 @@ _applied: dict | None = None
 
 def reason_to_leave_alone() -> str | None:
     """Why this process's malloc is not ours to tune (None: it is glibc's, with its defaults)."""
-    if os.environ.get("JAXTRAIN_HOST_MALLOC") == "default":
-        return "JAXTRAIN_HOST_MALLOC=default"
+    if os.environ.get(env.HOST_MALLOC) == "default":
+        return f"{env.HOST_MALLOC}=default"
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return "not glibc"
     preload = os.environ.get("LD_PRELOAD", "")

@@ -6,7 +6,7 @@ Layers, from the entry points down (README "Where things live", DESIGN §3):
     loop          trainer
     capabilities  fault/ observe/ train/ checkpoint/ data/ hf/   (may use each other, without cycles)
     core          model/ parallel/                  (model may use parallel, never the reverse)
-    base          config, arguments, exit_codes, env, xla_cpu
+    base          config, arguments, exit_codes, env, xla_cpu, host_malloc
 
 `kernels/` stands apart: the model calls into it and it imports nothing from `jaxtrain`. Every
 import counts, also the ones inside functions (a lazy import is still a dependency). The graph is
@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 RANK = {"cli": 5, "launch": 5, "trainer": 4,
         "fault": 3, "observe": 3, "train": 3, "checkpoint": 3, "data": 3, "hf": 3,
         "model": 2, "parallel": 2,
-        "config": 1, "arguments": 1, "exit_codes": 1, "env": 1, "xla_cpu": 1}
+        "config": 1, "arguments": 1, "exit_codes": 1, "env": 1, "xla_cpu": 1,
+        "host_malloc": 1}
 
 
 def modules(package: str) -> dict[str, Path]:
