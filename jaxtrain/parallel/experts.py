@@ -170,10 +170,11 @@ def _group(x_TD, experts_Tk, gates_Tk, w_gate, w_up, w_down, capacity_factor, dt
     pos_A = jnp.take_along_axis(jnp.cumsum(onehot_AE, axis=0), e_A[:, None], axis=1)[:, 0] - 1
     if kind == "dropless-tiled":
         # Each expert's rows padded to whole tiles of m; every tile runs its expert's weights
-        # (gathered per tile). At most A/m + E tiles: the padding costs <= E·m rows of compute,
-        # against ragged_dot's E x all rows where XLA expands it (the CPU).
+        # (gathered per tile). sum_e ceil(n_e / m) <= (A + E (m - 1)) / m tiles, reached when every
+        # n_e = 1 mod m: the padding costs < E·m rows of compute, against ragged_dot's E x all rows
+        # where XLA expands it (the CPU).
         m = tile_rows(A, E)
-        tiles = -(-A // m) + E
+        tiles = (A + E * (m - 1)) // m
         per_expert = (jnp.sum(onehot_AE, axis=0) + m - 1) // m
         slot_A = _exclusive_cumsum(per_expert)[e_A] * m + pos_A
         buf = jnp.zeros((tiles * m, D), dtype).at[slot_A].add(x_TD[tok_A].astype(dtype)).reshape(tiles, m, D)

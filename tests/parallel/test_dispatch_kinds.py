@@ -138,3 +138,23 @@ def test_dispatch_is_chosen_by_platform():
     for platform in RAGGED_ALL_TO_ALL_PLATFORMS:
         assert dispatch_kind(0, 1, platform) == "dropless-ragged_dot"
         assert dispatch_kind(0, 4, platform) == "dropless-ragged_all_to_all"
+
+
+def test_tiled_dispatch_fills_its_tight_tile_bound():
+    """The worst case of the tile count: every expert's rows one more than whole tiles (n_e = 1 mod m),
+    so sum_e ceil(n_e / m) = (A + E (m - 1)) / m tiles, every one used: a bound one tile short drops
+    the last expert's rows, and the tiled output leaves ragged_dot's."""
+    tokens = 32
+    m = tile_rows(tokens * K, E)
+    assert m == 8
+    counts = [9] * (E - 1) + [1]  # 1 mod 8 each, 64 assignments
+    order = np.repeat(np.arange(E), counts)  # choice-major: token t's choices are order[t], order[t + 32]
+    experts = jnp.asarray(np.stack([order[:tokens], order[tokens:]], axis=1)[None], jnp.int32)
+    assert all(len(set(row)) == K for row in np.asarray(experts[0]))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(1, tokens, D)), jnp.float32)
+    gates = jnp.asarray(rng.uniform(0.1, 1.0, (1, tokens, K)), jnp.float32)
+    w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((E, D, F), (E, D, F), (E, F, D))]
+    tiled, _ = routed_experts(x, experts, gates, *w, 0.0, jnp.float32, kind="dropless-tiled")
+    ragged, _ = routed_experts(x, experts, gates, *w, 0.0, jnp.float32, kind="dropless-ragged_dot")
+    assert_trees_close(jax.device_get(tiled), jax.device_get(ragged), 1e-5, "output ")
