@@ -1,7 +1,7 @@
 """MoE routing and dispatch overhead: configs/moe-tiny.yaml against the dense model with the same
 active parameters (mlp_dim = experts_per_token x moe_mlp_dim, + shared), on the CPU.
 
-  python bench/bench_moe.py [--steps 30] [--rounds 3] [--cpu-devices 1] [--outside 50,450] [override ...]
+  python bench/bench_moe.py [--steps 30] [--rounds 3] [--cpu-devices 1] [--outside 50,1050] [override ...]
 
 Each variant runs in its own process, set up as `jaxtrain train` sets up the CPU: the XLA flags of
 jaxtrain/xla_cpu.py (the same for both) and glibc malloc keeping freed memory
@@ -12,9 +12,11 @@ returns to the kernel at each step).
   round: the worker runs `--steps` steps, timed by its wall clock around its `Trainer.step` calls,
   each of which waits for its step; the other worker waits meanwhile); the median round counts.
 - outside wall clock (`--outside SHORT,LONG`): `jaxtrain train` runs of SHORT and LONG steps per
-  variant, alternated, `--rounds` times, after one untimed run that fills the variant's compilation
-  cache; (T(LONG) - T(SHORT)) / (LONG - SHORT) from the median T, T = the subprocess's wall time
-  (cancels start-up and the cached compile, counts everything else).
+  variant, alternated, `--rounds` times, after untimed runs of both lengths that fill the variant's
+  compilation cache; (T(LONG) - T(SHORT)) / (LONG - SHORT) from the median T, T = the subprocess's
+  wall time (cancels start-up and the cached compile, counts everything else). On the 2-core bench
+  machine one process's steady step time differs from another's by up to ~15%, more for the MoE:
+  the raw T are printed.
 
 Prints tokens/s, MFU of active FLOPs (flops_per_step counts active parameters; the peak is a
 measured matmul) and the MoE step time over the dense one. The issue's target: overhead <= 40% of
@@ -113,8 +115,9 @@ def own_timer(args) -> tuple[dict, dict]:
 
 def outside(args, short: int, long: int) -> dict:
     """Outside wall clock per step of each variant: `jaxtrain train` runs, alternated (module doc).
-    Each variant compiles once, in an untimed first run, into its own compilation cache, which the
-    timed runs load: a compile's seconds of jitter would not cancel between the short and long run."""
+    Each variant compiles in untimed first runs of both lengths (the schedule's length is compiled
+    in) into its own compilation cache, which the timed runs load: a compile's seconds of jitter
+    would not cancel between the short and long run."""
     times = {name: {short: [], long: []} for name in ("moe", "dense")}
     out = tempfile.mkdtemp(prefix="bench_moe-outside-")
 
@@ -127,12 +130,16 @@ def outside(args, short: int, long: int) -> dict:
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         return time.perf_counter() - t
 
-    for name in times:
-        run(name, short, "warmup")
+    for name in times:  # train.steps is in the compiled step (the schedule's length): one compile per length
+        for steps in (short, long):
+            run(name, steps, f"warmup-{steps}")
     for r in range(args.rounds):
         for steps in (short, long):
             for name in times:
                 times[name][steps].append(run(name, steps, f"{steps}-{r}"))
+    for name, t in times.items():
+        print(f"outside {name}: T({short}) {' '.join(f'{x:.2f}' for x in t[short])} s; "
+              f"T({long}) {' '.join(f'{x:.2f}' for x in t[long])} s")
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {name: (med(t[long]) - med(t[short])) / (long - short) for name, t in times.items()}
 
