@@ -15,7 +15,7 @@ returns to the kernel at each step).
   variant, alternated, `--rounds` times, after untimed runs of both lengths that fill the variant's
   compilation cache; (T(LONG) - T(SHORT)) / (LONG - SHORT) from the median T, T = the subprocess's
   wall time (cancels start-up and the cached compile, counts everything else). On the 2-core bench
-  machine one process's steady step time differs from another's by up to ~15%, more for the MoE:
+  machine one process's steady step time differs from another's by up to 15-30%, more for the MoE:
   the raw T are printed.
 
 Prints tokens/s, MFU of active FLOPs (flops_per_step counts active parameters; the peak is a

@@ -27,8 +27,8 @@ touches, not in any one op. The settings (`mallopt`):
   at most on 64-bit) is never unmapped when it empties.
 The cost is resident memory: a process keeps what it used at its peak, as a caching allocator does.
 Each of glibc's thread arenas (up to 8 per core) keeps its own: a step that runs on a thread whose
-arena has not held the buffer yet pays its first touches once (one step in 300 under load, at steps
-4-25), then no more.
+arena has not held the buffer yet pays its first touches once (under load: once or twice in 300
+steps, by step 25), then no more.
 
 Left alone: another libc or OS, another allocator preloaded (jemalloc, tcmalloc, mimalloc),
 glibc malloc settings of the user's own (MALLOC_*_ variables, glibc.malloc tunables), or

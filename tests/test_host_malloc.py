@@ -17,11 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 # A scanned dropless MoE step: its temporaries are over glibc's 32 MiB ceiling for serving from the
 # heap, so with glibc's defaults they are mapped afresh at every step (~10,000 page faults per step
 # on a 2-core EPYC); with the settings they stay (a few dozen). A step that runs on a thread whose
-# malloc arena has not held the buffer yet pays its first touches once (seen at steps 4-25 under
-# load, as on CI beside another test): the mean is taken over 60 steps, so one such step adds ~170.
+# malloc arena has not held the buffer yet pays its first touches once (under load, as on CI beside
+# another test: once or twice in 300 steps, by step 25), so the mean is taken over 60 steps, where
+# one such step adds ~170.
 MEASURED_STEPS = 60
 STEPS = """
 import json, os, resource, sys, tempfile
+MEASURED_STEPS = int(sys.argv[1])
 from jaxtrain import host_malloc
 done = host_malloc.retain_freed_memory()
 from jaxtrain.xla_cpu import cpu_xla_flags, with_flags
@@ -45,8 +47,8 @@ print(json.dumps({"done": done,
 def _faults(env: dict) -> dict:
     env = {**{k: v for k, v in os.environ.items() if k not in host_malloc.USER_VARIABLES}, **env,
            "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    r = subprocess.run([sys.executable, "-c", f"MEASURED_STEPS = {MEASURED_STEPS}\n{STEPS}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", STEPS, str(MEASURED_STEPS)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
