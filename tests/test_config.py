@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -130,7 +131,7 @@ def test_overrides_may_stand_before_and_after_flags(tmp_path):
     assert load_config(out / "config.yaml").mesh.data == 2
     # stdout is a pipe here, not a terminal: one plain line per logged step, no carriage returns.
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in steps] == ["1", "2"] and "\r" not in result.stdout
+    assert [line.split()[1] for line in steps] == ["1/2", "2/2"] and "\r" not in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -206,3 +207,76 @@ def test_chaos_raise_process_must_name_a_process_of_the_job():
     cfg = load_config(REPO / "configs/tiny.yaml", ["chaos.raise_at_step=3", "chaos.raise_process=1"])
     with pytest.raises(ConfigError, match="chaos.raise_process=1 names no process of this job"):
         validate_against_devices(cfg, 1, 1)
+
+
+# ----------------------------------------------------------------------------- mesh axes: one list (issue #37)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.context=0"], "config key 'mesh.context' must be a positive size or -1 (fill), got 0"),
+    (["mesh.data=-1", "mesh.context=-1"], "only one mesh axis may be -1 (fill with the remaining devices), "
+                                          "got mesh.data and mesh.context"),
+    (["mesh.dcn_context=-5"], "config key 'mesh.dcn_context' must be a positive size (1 = no DCN split), got -5"),
+])
+def test_bad_context_sizes_are_one_clear_line_exit_2(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:  # phase 1 already: no devices needed to see these
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert message in str(e.value)
+    out = tmp_path / "run"
+    r = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={out}", *overrides,
+                 "--cpu-devices", "2", cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and not out.exists(), r.stderr
+
+
+def test_every_mesh_axis_has_its_fields_and_is_validated():
+    from jaxtrain.config import DCN_MESH_AXES, MESH_AXES
+    from jaxtrain.parallel import mesh, mesh_shape
+    assert mesh_shape.AXES == MESH_AXES and mesh.DCN_AXES == DCN_MESH_AXES  # derived, not copied
+    fields = {f.name for f in dataclasses.fields(MeshConfig)}
+    assert set(MESH_AXES) <= fields and {f"dcn_{a}" for a in DCN_MESH_AXES} <= fields
+    # ... and no size field outside the list (every MeshConfig field is an axis, its dcn_*, or the rules)
+    assert fields == set(MESH_AXES) | {f"dcn_{a}" for a in DCN_MESH_AXES} | {"rules"}, (
+        "a new MeshConfig field: a mesh axis belongs in jaxtrain.config.MESH_AXES, anything else here")
+    for axis in MESH_AXES:
+        for bad in (0, -2):
+            with pytest.raises(ConfigError, match=f"'mesh.{axis}' must be a positive size or -1"):
+                load_config(None, [f"mesh.{axis}={bad}"])
+        other = next(a for a in MESH_AXES if a != axis)
+        with pytest.raises(ConfigError, match="only one mesh axis may be -1"):
+            load_config(None, [f"mesh.{axis}=-1", f"mesh.{other}=-1"])
+    for axis in DCN_MESH_AXES:
+        with pytest.raises(ConfigError, match=f"'mesh.dcn_{axis}' must be a positive size"):
+            load_config(None, [f"mesh.dcn_{axis}=0"])
+
+
+def test_a_mesh_config_built_in_python_gets_a_config_error_not_a_crash():
+    from jaxtrain.parallel.mesh_shape import resolve_mesh_shape
+    with pytest.raises(ConfigError, match="'mesh.context' must be a positive size or -1"):
+        resolve_mesh_shape(MeshConfig(context=0), 8)
+
+
+# ----------------------------------------------------------------------------- unknown-key suggestions
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("optim.lr", "optim.learning_rate"),  # an abbreviation, not the nearest spelling (optim.b2)
+    ("train.lr", "optim.learning_rate"),  # an alias in the wrong section
+    ("train.batch_size", "data.global_batch_size"),
+    ("data.bs", "data.global_batch_size"),
+    ("optim.wd", "optim.weight_decay"),
+    ("train.eval_evry", "train.eval_every"),  # the spelling suggestions that were already good stay
+    ("trian.steps", "train.steps"),
+    ("model.num_layer", "model.num_layers"),
+    ("model.d_modle", "model.d_model"),
+    ("modle.d_model", "model.d_model"),
+])
+def test_unknown_key_suggests_what_was_meant(typed, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/tiny.yaml", [f"{typed}=1"])
+    assert f"unknown config key '{typed}'; did you mean '{meant}'?" in str(e.value)
+
+
+def test_every_key_alias_names_a_real_key():
+    from jaxtrain.config import KEY_ALIASES
+    assert set(KEY_ALIASES.values()) <= set(all_keys())

@@ -74,14 +74,25 @@ def _parser() -> Parser:
     return p
 
 
-def _input_files(specs: list[str]) -> list[Path]:
-    files, seen = [], set()
+def _input_files(specs: list[str]) -> tuple[list[Path], int]:
+    """The non-empty files named by `specs` (each once) and how many empty ones were left out.
+
+    Real corpora hold empty files (an empty `__init__.py`): they add no document, so they are skipped,
+    not refused. Only when every file is empty is it an error: there would be nothing to write.
+    """
+    files, seen, empty = [], set(), 0
     for spec in specs:
-        for f in resolve_paths(spec, "--input", TEXT_SUFFIXES):
-            if f.resolve() not in seen:  # the same file named twice is read once
-                seen.add(f.resolve())
+        for f in resolve_paths(spec, "--input", TEXT_SUFFIXES, allow_empty=True):
+            if f.resolve() in seen:  # the same file named twice is read once
+                continue
+            seen.add(f.resolve())
+            if f.stat().st_size == 0:
+                empty += 1
+            else:
                 files.append(f)
-    return files
+    if not files:
+        raise ConfigError(f"--input: all {empty} file(s) are empty")
+    return files, empty
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
@@ -108,7 +119,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "bytes", dtype: 
       overwrite: allow replacing token files in a non-empty output directory.
       progress: where the progress bar goes (only drawn on a tty).
     Returns:
-      Summary: num_tokens, num_documents, files, dtype, eod_id, vocab_size, max_id.
+      Summary: num_tokens, num_documents, files, dtype, eod_id, vocab_size, max_id, inputs (files read),
+      skipped_empty (empty input files left out).
     Raises:
       ConfigError: bad inputs, tokenizer, dtype or output; nothing is written then.
     """
@@ -119,7 +131,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "bytes", dtype: 
         raise ConfigError(f"--dtype uint16 cannot hold ids of a {tok.vocab_size}-token vocabulary; use --dtype uint32")
     if shard_tokens <= 0:
         raise ConfigError(f"--shard-tokens must be positive, got {shard_tokens}")
-    files = _input_files(inputs)
+    files, skipped_empty = _input_files(inputs)
     out = Path(output)
     _check_output(out, overwrite)
 
@@ -133,7 +145,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "bytes", dtype: 
             raise ConfigError(f"--input: {len(files)} file(s) hold no text")
         write_meta(tmp / META_NAME, dtype=dtype, eod_id=tok.eod_id, vocab_size=tok.vocab_size,
                    max_id=summary["max_id"], tokenizer=tok.name, files=summary["files"],
-                   num_documents=summary["num_documents"])
+                   num_documents=summary["num_documents"], skipped_empty_files=skipped_empty)
         out.mkdir(parents=True, exist_ok=True)
         for old in list(out.glob(f"{SHARD_PREFIX}*.bin")) + [out / META_NAME]:
             old.unlink(missing_ok=True)
@@ -142,7 +154,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "bytes", dtype: 
         os.replace(tmp / META_NAME, out / META_NAME)  # last: the directory is complete once it is there
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    summary.update(dtype=dtype, eod_id=tok.eod_id, vocab_size=tok.vocab_size, inputs=len(files))
+    summary.update(dtype=dtype, eod_id=tok.eod_id, vocab_size=tok.vocab_size, inputs=len(files),
+                   skipped_empty=skipped_empty)
     return summary
 
 
@@ -194,7 +207,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)  # malformed flags: ConfigError, exit 2
     s = prepare(args.input, args.output, tokenizer=args.tokenizer, dtype=args.dtype, eod_id=args.eod_id,
                 text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+    skipped = f"; skipped {s['skipped_empty']} empty file(s)" if s["skipped_empty"] else ""
     print(f"prepare-data: wrote {s['num_tokens']:,} tokens ({s['num_documents']:,} documents from "
           f"{s['inputs']} input file(s)) to {args.output} in {len(s['files'])} {s['dtype']} file(s); "
-          f"eod id {s['eod_id']}, vocab size {s['vocab_size']}, largest id {s['max_id']}")
+          f"eod id {s['eod_id']}, vocab size {s['vocab_size']}, largest id {s['max_id']}{skipped}")
     return 0

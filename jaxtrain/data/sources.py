@@ -43,17 +43,19 @@ _SCAN_CHUNK = 1 << 24  # tokens per step when scanning for the largest id (bound
 # ----------------------------------------------------------------------------- paths
 
 
-def resolve_paths(spec: str, key: str, dir_suffixes: tuple[str, ...]) -> list[Path]:
+def resolve_paths(spec: str, key: str, dir_suffixes: tuple[str, ...], allow_empty: bool = False) -> list[Path]:
     """The files named by `spec`, in a fixed (sorted) order.
 
     Args:
       spec: a file, a directory (its files ending in `dir_suffixes`, recursively) or a glob.
       key: config key or CLI flag named in error messages (e.g. 'data.path').
       dir_suffixes: which files of a directory belong to the source.
+      allow_empty: return empty files too, for a caller that skips them (`prepare-data`).
     Returns:
-      Non-empty list of existing, non-empty files. The order decides the stream order.
+      Non-empty list of existing, non-empty files (empty ones too with `allow_empty`). The order decides
+      the stream order.
     Raises:
-      ConfigError: nothing matches, or a matched file is empty.
+      ConfigError: nothing matches, or a matched file is empty (unless `allow_empty`).
     """
     p = Path(spec).expanduser()
     if any(c in spec for c in "*?["):
@@ -71,7 +73,7 @@ def resolve_paths(spec: str, key: str, dir_suffixes: tuple[str, ...]) -> list[Pa
     else:
         raise ConfigError(f"{key}: '{spec}' does not exist (expected a file, directory or glob)")
     for f in files:
-        if f.stat().st_size == 0:
+        if f.stat().st_size == 0 and not allow_empty:
             raise ConfigError(f"{key}: file '{f}' is empty")
     return files
 
@@ -157,12 +159,15 @@ def read_meta(path: Path) -> dict:
 
 
 def write_meta(path: Path, *, dtype: str, eod_id: int, vocab_size: int, max_id: int, tokenizer: str,
-               files: dict[str, int], num_documents: int) -> None:
-    """Write the `meta.json` sidecar that `open_tokens` reads (see the module docstring)."""
+               files: dict[str, int], num_documents: int, skipped_empty_files: int = 0) -> None:
+    """Write the `meta.json` sidecar that `open_tokens` reads (see the module docstring).
+
+    `skipped_empty_files`: empty input files `prepare-data` left out (a record for the reader only).
+    """
     meta = {
         "format": META_FORMAT, "version": 1, "dtype": dtype, "eod_id": eod_id, "vocab_size": vocab_size,
         "max_id": max_id, "tokenizer": tokenizer, "num_tokens": sum(files.values()),
-        "num_documents": num_documents, "files": files,
+        "num_documents": num_documents, "files": files, "skipped_empty_files": skipped_empty_files,
     }
     path.write_text(json.dumps(meta, indent=2) + "\n")
 

@@ -188,7 +188,10 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     `collectives_as_compiled` (the same, every op counted as the program runs it),
     `collective_bytes_total`, `collective_bytes_theory` (what the layout needs for parameters and
     gradients, `collective_theory`) and `collective_bytes_ratio` (total / theory), `compile_s`
-    and `parameters` (name -> shape, logical axes, spec, bytes per device).
+    and `parameters` (name -> shape, logical axes, spec, bytes per device); `flops_per_step_per_device`
+    (model FLOPs / devices), `attention_scores_bytes_per_device` (one layer's [B, N, L, L] fp32 scores
+    when the attention is XLA's, which builds them; else None) and `notes` (caveats on reading the
+    figures, printed as they are: `report_notes`).
     Raises:
       ConfigError: the same phase-2 errors as `jaxtrain train` (mesh, divisibility, attention).
     """
@@ -252,7 +255,73 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
         report["activation_bytes_per_device"] = mem.temp_size_in_bytes
     if cfg.model.num_experts > 0:
         report["moe"] = moe_report(cfg, sizes, params, report["collectives"].get("all-to-all", 0.0))
+    report["flops_per_step_per_device"] = report["flops_per_step"] / len(devices)
+    report["attention_scores_bytes_per_device"] = (attention_scores_bytes(cfg, sizes) if attention == "xla"
+                                                   else None)
+    report["notes"] = report_notes(cfg, report, devices[0].platform)
     return report
+
+
+def _ways(name: str, rules: dict, mesh_sizes: dict[str, int]) -> int:
+    """Over how many devices the rules table splits logical axis `name`."""
+    entry = logical_to_spec((name,), rules)[0]
+    entries = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    return math.prod(mesh_sizes[a] for a in entries)
+
+
+def attention_scores_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> int:
+    """Bytes per device of one layer's attention scores [B, N, L, L] in fp32, as XLA's attention
+    (`model.attention=xla`, the CPU's `auto`) materialises them; the fused kernels never do.
+
+    B: the sequences one device holds per model call (per grad-accumulation microbatch, per pipeline
+    microbatch when there are stages); N: its query heads. The backward pass holds a few such buffers
+    (probabilities, their gradient), so this is a lower bound on what attention adds to the peak.
+    """
+    d, rules = cfg.data, cfg.mesh.rules
+    rows = d.global_batch_size // cfg.train.grad_accum
+    if mesh_sizes["stage"] > 1:  # inside the pipeline a microbatch is split over the batch axes but `stage`
+        batch = logical_to_spec(("batch",), rules)[0]
+        inner = [a for a in (batch if isinstance(batch, tuple) else (batch,) if batch else ()) if a != "stage"]
+        rows = rows // cfg.pipeline.microbatches // math.prod(mesh_sizes[a] for a in inner)
+    else:
+        rows //= _ways("batch", rules, mesh_sizes)
+    heads = cfg.model.num_heads // _ways("heads", rules, mesh_sizes)
+    return max(rows, 1) * heads * d.seq_len ** 2 * 4
+
+
+def _size(nbytes: float) -> str:
+    """`nbytes` in GiB, or MiB below one GiB (a note should not read '0.000977 GiB')."""
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
+
+
+def report_notes(cfg: Config, report: dict, platform: str) -> list[str]:
+    """Caveats that keep the figures from misleading, in words (text and --json carry the same).
+
+    - XLA's attention builds the [L, L] scores: on the CPU they dominate the peak at long sequences,
+      where a GPU/TPU runs a fused kernel that never holds them.
+    - XLA's cost analysis counts a loop body once (the layer scan, gradient accumulation, the pipeline
+      loop), so its FLOPs barely move with depth; the model FLOPs are the figure to use.
+    """
+    notes = []
+    scores = report.get("attention_scores_bytes_per_device")
+    if scores is not None:
+        which, fused = (("the CPU's model.attention=auto", "on a GPU or TPU `auto` runs a fused kernel that never "
+                         "holds them") if platform == "cpu" else
+                        ("model.attention=xla", "a fused kernel (model.attention=auto) never holds them"))
+        notes.append(f"XLA's attention ({which}) materialises the [L, L] scores: ~{_size(scores)} per layer per "
+                     f"device (fp32 [B, N, L, L]; the backward holds a few such buffers), which weigh on the peak "
+                     f"above; {fused}")
+    m = cfg.model
+    loops = [f"{m.num_layers} scanned layers"] if m.scan_layers and m.num_layers > 1 else []
+    if cfg.train.grad_accum > 1:
+        loops.append(f"{cfg.train.grad_accum} gradient-accumulation microbatches")
+    if report["mesh"]["stage"] > 1:
+        loops.append("the pipeline iterations")
+    if loops and report.get("xla_flops_per_device") is not None:
+        notes.append(f"XLA's FLOPs count each loop body once, not once per trip ({', '.join(loops)}), so they fall "
+                     f"far below the work done: use the model FLOPs per step per device, "
+                     f"{report['flops_per_step_per_device']:.4g}")
+    return notes
 
 
 def moe_report(cfg: Config, mesh_sizes: dict[str, int], parameters: dict, all_to_all_bytes: float) -> dict:
@@ -271,13 +340,8 @@ def moe_report(cfg: Config, mesh_sizes: dict[str, int], parameters: dict, all_to
     m, d = cfg.model, cfg.data
     rules = cfg.mesh.rules
 
-    def ways(name: str) -> int:
-        entry = logical_to_spec((name,), rules)[0]
-        entries = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        return math.prod(mesh_sizes[a] for a in entries)
-
-    ep = ways("experts")
-    tokens = d.global_batch_size // cfg.train.grad_accum // ways("batch") * d.seq_len  # one group's
+    ep = _ways("experts", rules, mesh_sizes)
+    tokens = d.global_batch_size // cfg.train.grad_accum // _ways("batch", rules, mesh_sizes) * d.seq_len  # one group's
     C = capacity(tokens, m.experts_per_token, m.num_experts, m.capacity_factor)
     buffer = m.num_experts * C * m.d_model * jnp.dtype(compute_dtype(cfg)).itemsize
     passes = 4 + (2 if m.remat != "none" else 0)
@@ -329,7 +393,9 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
              f"parameters: {report['params']:,}",
              f"model FLOPs per step: {report['flops_per_step']:.4g}   compile: {report['compile_s']:.1f} s"]
     if report.get("xla_flops_per_device") is not None:
-        lines.append(f"XLA FLOPs per step per device: {report['xla_flops_per_device']:.4g}")
+        per_device = report.get("flops_per_step_per_device", report["flops_per_step"] / report["devices"])
+        lines.append(f"XLA FLOPs per step per device: {report['xla_flops_per_device']:.4g}   model FLOPs per step "
+                     f"per device: {per_device:.4g}")
     mem = report.get("memory_bytes_per_device")
     if mem is not None:
         gib = 1 / 2**30
@@ -349,6 +415,7 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
                      f"{moe['group_tokens']} tokens per group, capacity {moe['capacity_per_expert']}; expert weights "
                      f"{moe['expert_weight_bytes_per_device'] / 2**30:.3f} GiB per device; all-to-all "
                      f"{moe['all_to_all_bytes'] / 2**20:.2f} MiB, theory {moe['all_to_all_bytes_theory'] / 2**20:.2f} MiB")
+    lines += [f"note: {note}" for note in report.get("notes", [])]
     if per_parameter:
         lines.append("parameters (logical axes -> PartitionSpec, bytes per device):")
         for name, p in report["parameters"].items():

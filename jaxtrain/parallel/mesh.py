@@ -24,10 +24,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxtrain.config import Config, ConfigError, MeshConfig, validate_context, validate_pipeline
+from jaxtrain.config import DCN_MESH_AXES, Config, ConfigError, MeshConfig, validate_context, validate_pipeline
 from jaxtrain.parallel.mesh_shape import AXES, resolve_mesh_shape  # JAX-free: the launcher uses them too
 
-DCN_AXES = ("data", "stage", "fsdp", "expert", "context")  # axes that may span the slow network (mesh.dcn_<axis>)
+DCN_AXES = DCN_MESH_AXES  # axes that may span the slow network (mesh.dcn_<axis>)
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
@@ -62,8 +62,8 @@ def device_grid(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence[An
             by_process = True  # one DCN granule per process (GPU nodes, CPU processes, or hosts asked for)
         else:
             where = f"{slices} slice(s) or {processes} process(es)" if slices else f"{processes} process(es)"
-            raise ConfigError(f"mesh.dcn_data * mesh.dcn_stage * mesh.dcn_fsdp = {granules} must equal the {where} "
-                              "(one DCN granule each)")
+            product = " * ".join(f"mesh.dcn_{a}={n}" for a, n in asked.items())
+            raise ConfigError(f"{product} = {granules} must equal the {where} (one DCN granule each)")
         for a, n in asked.items():
             if sizes[a] % n:
                 raise ConfigError(f"mesh.{a}={sizes[a]} is not divisible by mesh.dcn_{a}={n}")

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import math
 
-from jaxtrain.config import ConfigError, MeshConfig
+from jaxtrain.config import MESH_AXES, ConfigError, MeshConfig
 
-AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
+AXES = MESH_AXES  # the mesh axes, outermost first: one list, kept in jaxtrain.config (which imports nothing here)
 
 
 def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     """Sizes for every mesh axis, filling the one `-1` axis with the remaining devices.
 
     Raises:
-      ConfigError: when the sizes do not multiply to `num_devices`.
+      ConfigError: a size that is neither positive nor -1, or sizes that do not multiply to `num_devices`.
     """
     sizes = {a: getattr(mesh_cfg, a) for a in AXES}
+    for a, v in sizes.items():  # load_config checks this too; a MeshConfig built in Python may skip it
+        if v == 0 or v < -1:
+            raise ConfigError(f"config key 'mesh.{a}' must be a positive size or -1 (fill), got {v}")
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [a for a, v in sizes.items() if v == -1]
     described = ", ".join(f"{a}={v}" for a, v in sizes.items())

@@ -358,6 +358,24 @@ def test_prepare_data_refuses_non_empty_output_and_writes_nothing_on_error(tmp_p
         "a.txt", "bad.jsonl", "out"]
 
 
+def test_prepare_data_skips_and_counts_empty_files(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    (corpus / "pkg").mkdir(parents=True)
+    (corpus / "a.txt").write_text("text")
+    (corpus / "empty.txt").write_text("")  # real corpora hold empty files (an empty __init__.py)
+    (corpus / "pkg" / "empty.jsonl").write_text("")
+    out = tmp_path / "out"
+    assert prepare_main(["--input", str(corpus), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 documents from 1 input file(s)" in printed and "skipped 2 empty file(s)" in printed, printed
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["num_tokens"] == 5 and meta["skipped_empty_files"] == 2
+    # Only a corpus of nothing but empty files is refused, and nothing is written then.
+    with pytest.raises(ConfigError, match=r"--input: all 2 file\(s\) are empty"):
+        prepare_main(["--input", str(corpus / "empty.txt"), str(corpus / "pkg"), "--output", str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists()
+
+
 def test_prepare_data_directory_without_text_files_says_how_to_pass_others(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# notes")

@@ -140,6 +140,24 @@ def test_data_parallel_gathers_no_parameters(inspect_json):
     assert 1 / 1.2 <= r["collective_bytes_ratio"] <= 1.2, r["collectives"]
 
 
+def test_inspect_says_what_the_cpu_figures_overstate_and_undercount(inspect_json):
+    """The caveats are in the output itself: XLA's attention holds [L, L] scores (the CPU's peak), and
+    XLA's cost analysis counts the scanned layer body once (its FLOPs, beside the model's)."""
+    from jaxtrain.observe.inspection import format_report
+    r = inspect_json["data"]
+    # data=8: 1 sequence and 8 heads per device, seq 32: one layer's fp32 scores
+    assert r["attention_scores_bytes_per_device"] == 1 * 8 * 32 * 32 * 4
+    assert r["flops_per_step_per_device"] == r["flops_per_step"] / 8
+    scores, flops = r["notes"]
+    assert "XLA's attention (the CPU's model.attention=auto) materialises the [L, L] scores: ~0.0312 MiB" in scores
+    assert "fused kernel that never holds them" in scores
+    assert "XLA's FLOPs count each loop body once, not once per trip (4 scanned layers)" in flops
+    assert f"{r['flops_per_step'] / 8:.4g}" in flops
+    text = format_report(r)
+    assert f"note: {scores}" in text and f"note: {flops}" in text
+    assert f"model FLOPs per step per device: {r['flops_per_step'] / 8:.4g}" in text
+
+
 def test_inspect_reports_fsdp_all_gathers_and_parameter_specs():
     from jaxtrain.observe.inspection import inspect_config
     cfg = load_config(None, ["mesh.data=2", "mesh.fsdp=4", "model.d_model=64", "model.num_layers=2",
