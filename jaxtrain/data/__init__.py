@@ -86,12 +86,21 @@ def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1
                       shuffle=d.shuffle, repeat=True, prefetch=d.prefetch, rows=rows)
 
 
-def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1, rows: Sequence[int] | None = None):
+def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1, rows: Sequence[int] | None = None,
+                    prefetch: int | None = None):
     """The held-out iterator (data.eval), or None when no eval source is configured.
 
-    The iterator passes over the eval set once, in file order; batches after its end are padding
-    (loss_mask 0), so a masked mean over any number of batches is exact. `num_batches` is one pass.
-    Call `reset()` (or build a new one) to evaluate again from the start.
+    The iterator passes over the eval set once, in file order, with no shuffle. `num_batches` is the
+    number of global batches that hold the whole set (the last one partly padding when the set's
+    rows are not a multiple of the global batch); batches after it are padding only. Padding rows
+    have loss_mask 0, so a masked mean over them is exact. The Markov source's held-out stream is
+    endless (`num_batches` None). Call `reset()` (or build a new one) to evaluate again from the start.
+
+    Args:
+      cfg: the config (data.* and train.eval_every for the Markov stream).
+      process_index, process_count: this process and how many read the data.
+      rows: the global rows this process reads (see `build_train_data`).
+      prefetch: batches to build ahead (default data.prefetch; 0 when the reader jumps between batches).
     """
     d = cfg.data
     if d.source == "markov":
@@ -100,4 +109,4 @@ def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1,
         return None
     return PackedData(SequenceSource(_eval_corpus(cfg), d.seq_len), global_batch=d.global_batch_size,
                       process_index=process_index, process_count=process_count, seed=d.seed,
-                      shuffle=False, repeat=False, prefetch=d.prefetch, rows=rows)
+                      shuffle=False, repeat=False, prefetch=d.prefetch if prefetch is None else prefetch, rows=rows)
