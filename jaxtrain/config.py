@@ -29,18 +29,30 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+    """Naming, where a run writes, and its seed."""
+
     name: str = "run"  # human-readable run name, shown in events and TensorBoard
     output_dir: str = "runs/run"  # run directory: config.yaml, metrics.jsonl, events.jsonl, checkpoints/
     seed: int = 0  # seeds parameter init and the dropout/RNG stream
+    # Consent, on a resumed run, to changes of keys that alter what was already trained (model shape,
+    # data stream, optimizer and schedule, precision policy, run.seed): a list of dotted keys, e.g.
+    # [train.steps], or `all`. Without it such a change stops the run with exit 2 (docs/checkpoint.md,
+    # "Changed config on resume"; jaxtrain/train/config_changes.py). Not compared itself.
+    allow_changes: list | str = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The training loop: length, logging, gradient accumulation, evaluation, profiling (jaxtrain/trainer.py)."""
+
     steps: int = 100  # optimizer steps to run in total (a resumed run counts from its checkpoint)
     log_every: int = 10  # write metrics.jsonl / TensorBoard every N steps
     grad_accum: int = 1  # microbatches per step, accumulated with lax.scan
-    eval_every: int = 0  # evaluate on data.eval every N steps (0 = never)
-    eval_batches: int = 4  # batches per evaluation
+    # Evaluate on data.eval every N steps; 0: once, after the last step, when data.eval is set.
+    eval_every: int = 0
+    # Cap on the global batches of one evaluation, spread over the set (0 = the whole data.eval set,
+    # one pass; the endless Markov held-out stream: 4 batches). metrics.jsonl reports eval_tokens.
+    eval_batches: int = 0
     host_sync_every: int = 5  # steps between cross-process decisions (preemption stop, time-based saves)
     # [first, last]: trace these steps with the JAX profiler into <output_dir>/profile/, read with
     # `jaxtrain profile-summary RUN_DIR` (docs/profiling.md); empty = no trace.
@@ -49,14 +61,19 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+    """AdamW with linear warmup and cosine decay, and gradient clipping (jaxtrain/train/optim.py)."""
+
     learning_rate: float = 3e-4  # peak learning rate after warmup
     warmup_steps: int = 100  # linear warmup from 0 to learning_rate
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio at train.steps
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms)
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    b1: float = 0.9  # Adam's decay rate for the gradient mean (first moment)
+    b2: float = 0.95  # Adam's decay rate for the squared gradients (second moment)
+    eps: float = 1e-8  # added to Adam's denominator, for numerical stability
     grad_clip_norm: float = 1.0  # global-norm clipping threshold (0 = off)
+    # Length of the warmup + decay schedule in steps (null = train.steps). Set it to the old train.steps to
+    # train a finished run on past its end at the final learning rate instead of re-stretching the schedule.
+    decay_steps: Optional[int] = None
 
 
 DEFAULT_RULES: dict = {
@@ -77,8 +94,20 @@ DEFAULT_RULES: dict = {
 }
 
 
+# The mesh axes, outermost first: the one list every other place derives from (MeshConfig's size and
+# dcn_* fields, validation, `jaxtrain.parallel.mesh_shape.AXES`, the device mesh). Adding an axis means
+# adding it here and its fields to MeshConfig; a test checks that they agree.
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "expert", "context", "tensor")
+# The axes that may span the slow data-centre network (`mesh.dcn_<axis>`): all but `tensor`, whose
+# per-layer collectives need the fast links.
+DCN_MESH_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != "tensor")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+    """The device mesh: how many ways each axis splits the devices, and the rules table that shards every
+    array by its logical axis names (jaxtrain/parallel/mesh.py, sharding.py)."""
+
     data: int = -1  # data-parallel replicas (-1 = the devices left over)
     stage: int = 1  # pipeline stages
     fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
@@ -137,15 +166,18 @@ class ContextConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
+    """The Llama-style decoder: its shape, rotary embedding, remat, attention kernel and mixture of experts
+    (jaxtrain/model/)."""
+
+    vocab_size: int = 256  # token ids lie in [0, vocab_size): embedding rows and output logits
+    d_model: int = 128  # width of the residual stream (the embedding size)
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # attention (query) heads
     num_kv_heads: int = 4  # grouped-query attention: num_heads must be a multiple of this
-    head_dim: int = 32
+    head_dim: int = 32  # width of each attention head
     mlp_dim: int = 512  # SwiGLU hidden size
     max_seq_len: int = 2048  # longest sequence the rotary tables are built for
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # base of the rotary position embedding's frequencies
     # Llama 3.1 long-context rope: "llama3" rescales the rotary frequencies with the four keys below
     # (the formula of Meta's reference code and transformers' `_compute_llama3_parameters`).
     rope_scaling: Literal["none", "llama3"] = "none"
@@ -153,15 +185,16 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are fully scaled
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept as they are
     rope_original_max_len: int = 8192  # llama3: context length the model was pretrained with
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # epsilon of every RMSNorm
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
     # Activation checkpointing (docs/pipeline.md, "Remat policies"): what the backward pass keeps of each layer
     # (of each pipeline iteration under mesh.stage > 1): none, full (nothing), minimal / dots (every
     # projection's output), save_qkv_proj, save_out_proj.
     remat: Literal["none", "full", "dots", "minimal", "save_qkv_proj", "save_out_proj"] = "none"
+    # The attention kernel (kernels/, docs/kernels.md); auto picks by platform and compute dtype.
     attention: Literal["auto", "xla", "pallas", "triton", "cudnn"] = "auto"
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal weight init (output projections: / sqrt(2 * num_layers))
     # Mixture of experts (docs/moe.md; jaxtrain/model/moe.py). num_experts = 0: every MLP is dense.
     num_experts: int = 0  # routed SwiGLU experts per MoE layer
     experts_per_token: int = 2  # top-k
@@ -185,16 +218,21 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: Literal["markov", "tokens", "text"] = "markov"
-    path: Optional[str] = None  # file, directory or glob (tokens/text sources)
+    """Training and held-out data: source, tokenizer, batch shape and order (jaxtrain/data/, docs/data.md)."""
+
+    # markov: synthetic Markov-chain data (no files); tokens: token files; text: .txt/.jsonl tokenized at open.
+    # null = not chosen (the config import-hf writes): training refuses until data is named, so an
+    # imported model is never fine-tuned on the synthetic Markov chain by accident.
+    source: Literal["markov", "tokens", "text", None] = "markov"
+    path: Optional[str] = None  # file, directory or glob (tokens/text sources; null for markov)
     tokenizer: str = "bytes"  # `bytes` or a path to a Hugging Face tokenizers JSON file
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per row; documents are packed into rows (<= model.max_seq_len)
     global_batch_size: int = 8  # sequences per optimizer step, over all processes
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of `tokens` files
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle rows with data.seed, a new order every epoch (false: file order)
     seed: int = 0  # seeds the global data order (independent of run.seed)
     prefetch: int = 2  # batches prepared ahead on background threads
-    eval: Optional[str] = None  # held-out path for the same source (file, directory or glob)
+    eval: Optional[str] = None  # held-out path for the same source (file, directory or glob; null = none)
     eod_id: Optional[int] = None  # end-of-document id: token files without meta.json, or a JSON tokenizer's (null = auto)
     text_field: str = "text"  # text source: the field of each .jsonl line that holds the document
     markov_states: int = 64  # markov source: number of token states (<= model.vocab_size)
@@ -222,8 +260,9 @@ class StabilityConfig:
 
     guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
     window: int = 100  # accepted steps whose loss/grad norm the median and MAD span; also the window for max_spikes
-    spike_threshold: float = 6.0  # a spike: loss or grad norm this many robust sigmas (1.4826 x MAD) above the median
-    min_history: int = 20  # values in the history before any spike is flagged (at most `window`)
+    spike_threshold: float = 6.0  # a spike: the loss this many robust sigmas (1.4826 x MAD) above its median...
+    min_rise: float = 0.1  # ... and this fraction above it (the gradient norm is reported, never flags alone)
+    min_history: Optional[int] = None  # values in the history before any spike is flagged (null = min(20, window))
     skip_spikes: bool = False  # do not apply a spike step's update (decided inside the step)
     rebaseline_after: int = 10  # this many spikes in a row: the statistics restart from the new level
     max_spikes: int = 3  # this many spikes within `window` steps trigger a rollback (0 = never roll back)
@@ -231,16 +270,24 @@ class StabilityConfig:
     max_rollbacks: int = 3  # rollbacks per run; one more stops the run (exit 78, a human is needed) with a message
     z_loss: float = 0.0  # weight of the z-loss, mean(logsumexp(logits)**2), added to the loss (0 = off)
 
+    @property
+    def history_needed(self) -> int:
+        """`min_history`, or when unset the default that follows `window` (20, at most the window)."""
+        return min(20, self.window) if self.min_history is None else self.min_history
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    """When checkpoints are saved and how many are kept, the node-local tier, the XLA compilation cache
+    (jaxtrain/checkpoint/, docs/checkpoint.md)."""
+
     every_steps: int = 0  # save every N steps (0 = only by time / at the end)
     every_minutes: float = 0.0  # save when this much wall time has passed since the last save
     keep_last: int = 3  # keep the newest N checkpoints
     keep_every: int = 0  # additionally keep every K-th step forever (0 = none)
     async_save: bool = True  # write in the background while training continues
     save_at_end: bool = True  # save when train.steps is reached
-    init_from: Optional[str] = None  # start a new run from another run's parameters only
+    init_from: Optional[str] = None  # start a new run from another run's parameters only (null = fresh init)
     # Persistent XLA cache (null = off). auto: for a job spread over hosts <run.output_dir>/compilation_cache,
     # which every host shares (JAX writes it from process 0 only); for one process or `jaxtrain launch`
     # (one machine) the per-host ~/.cache/jaxtrain/xla, warm across runs.
@@ -309,7 +356,7 @@ class ObserveConfig:
     prometheus_port: int = 0
     prometheus_addr: str = "0.0.0.0"  # the address the endpoint binds (127.0.0.1: this machine only)
     # Also write the metrics atomically to this .prom file for node_exporter's textfile collector
-    # ({process} in the path: the process index; else -p<index> is added for multi-process jobs).
+    # ({process} in the path: the process index; else -p<index> is added for multi-process jobs). null = no file.
     prometheus_textfile: Optional[str] = None
 
 
@@ -326,14 +373,15 @@ class ChaosConfig:
     # data, a rollback that skips those batches leaves them behind.
     nan_at_steps: list = dataclasses.field(default_factory=list)  # those batches give non-finite gradients
     spike_at_steps: list = dataclasses.field(default_factory=list)  # those batches' loss and gradients x spike_factor
-    spike_factor: float = 100.0
+    spike_factor: float = 100.0  # what spike_at_steps multiplies the loss and gradients by
+    corrupt_at_steps: list = dataclasses.field(default_factory=list)  # those batches' tokens replaced by random ids
     hang_at_step: int = -1  # hang_process stops making progress right after this step (first attempt only)
-    hang_process: int = 0
+    hang_process: int = 0  # which process hang_at_step hangs
     hang_in_step: bool = False  # ... instead blocks INSIDE step hang_at_step (a host callback): peers wait in its collectives
     hang_freeze: bool = False  # ... instead stops itself with SIGSTOP after that step (no heartbeat either)
     # A Python error in the loop: raise_process raises a RuntimeError right after this step (first attempt only).
     raise_at_step: int = -1
-    raise_process: int = 0
+    raise_process: int = 0  # which process raise_at_step raises in
     raise_every_attempt: bool = False  # raise_at_step fires on every attempt (a deterministic bug), not the first only
     # A bad node: unlike the drills above, this one fires on EVERY attempt, so only isolating the slot
     # (`jaxtrain launch --isolate-after K`) lets the run finish. The slot is JAXTRAIN_SLOT under
@@ -343,7 +391,7 @@ class ChaosConfig:
     # Bad links: the preflight exchanges of these process pairs take slow_link_seconds longer. One pair
     # [i, j], or several [[i, j], ...] (a bad network card: every pair touching one process).
     slow_link: list = dataclasses.field(default_factory=list)
-    slow_link_seconds: float = 0.0
+    slow_link_seconds: float = 0.0  # extra seconds each preflight exchange of a slow_link pair takes
 
     def slow_link_pairs(self) -> list[tuple[int, int]]:
         """`slow_link` as (i, j) pairs: [i, j] is one pair, [[i, j], ...] several."""
@@ -401,12 +449,57 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+# Names other trainers (and people) use for our keys, by the typed key's last part: spelling
+# similarity alone would suggest `optim.b2` for `optim.lr`.
+KEY_ALIASES: dict[str, str] = {
+    "lr": "optim.learning_rate", "learning_rate": "optim.learning_rate", "wd": "optim.weight_decay",
+    "warmup": "optim.warmup_steps", "clip": "optim.grad_clip_norm", "grad_clip": "optim.grad_clip_norm",
+    "max_grad_norm": "optim.grad_clip_norm", "clip_grad_norm": "optim.grad_clip_norm",
+    "bs": "data.global_batch_size", "batch_size": "data.global_batch_size",
+    "global_batch_size": "data.global_batch_size", "seq_length": "data.seq_len", "sequence_length": "data.seq_len",
+    "n_layers": "model.num_layers", "num_hidden_layers": "model.num_layers", "depth": "model.num_layers",
+    "n_heads": "model.num_heads", "num_attention_heads": "model.num_heads",
+    "n_kv_heads": "model.num_kv_heads", "num_key_value_heads": "model.num_kv_heads",
+    "hidden_size": "model.d_model", "dim": "model.d_model", "intermediate_size": "model.mlp_dim",
+    "ffn_dim": "model.mlp_dim", "vocab": "model.vocab_size",
+    "max_steps": "train.steps", "num_steps": "train.steps", "total_steps": "train.steps",
+    "gradient_accumulation_steps": "train.grad_accum", "grad_accum_steps": "train.grad_accum",
+    "save_every": "checkpoint.every_steps", "checkpoint_every": "checkpoint.every_steps",
+    "out_dir": "run.output_dir", "output": "run.output_dir",
+}
+
+
+def _abbreviates(short: str, name: str) -> bool:
+    """Whether `short` is `name`'s letters in order from its first (lr -> learning_rate, eval_evry -> eval_every)."""
+    if not short or not name or short[0] != name[0]:
+        return False
+    rest = iter(name)
+    return all(ch in rest for ch in short)  # `in` on an iterator consumes it: an in-order subsequence test
+
+
+def suggest_key(key: str) -> Optional[str]:
+    """The valid key a user most likely meant by the unknown `key`, or None.
+
+    In order: a known alias of its last part (`lr`, `bs`); the one key of its section whose last part it
+    abbreviates; the closest whole key by spelling; a key of another section with the same last part.
+    """
+    keys = all_keys()
+    section, _, last = key.rpartition(".")
+    alias = KEY_ALIASES.get(last)
+    if alias in keys:
+        return alias
+    abbreviated = [k for k in keys if k.startswith(section + ".") and _abbreviates(last, k.rpartition(".")[2])]
+    if len(abbreviated) == 1:  # several (optim.b -> b1, b2) say nothing
+        return abbreviated[0]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     if not close:  # a misspelled section: suggest by the last part
-        last = key.rsplit(".", 1)[-1]
-        close = [k for k in all_keys() if k.endswith("." + last)][:1]
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = [k for k in keys if k.endswith("." + last)][:1]
+    return close[0] if close else None
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = suggest_key(key)
+    hint = f"; did you mean '{close}'?" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
@@ -432,7 +525,8 @@ def _coerce(key: str, value: Any, t: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(t)
         if value not in choices:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, choices))}; got {value!r}")
+            named = ", ".join("null" if c is None else str(c) for c in choices)
+            raise ConfigError(f"config key '{key}' must be one of {named}; got {value!r}")
         return value
     if t is bool:
         if isinstance(value, bool):
@@ -484,10 +578,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def from_dict(data: dict) -> Config:
-    """Build and phase-1-validate a Config from a nested dict."""
+def from_dict(data: dict, *, need_data: bool = True) -> Config:
+    """Build and phase-1-validate a Config from a nested dict (`need_data`: see `validate`)."""
     cfg = _build(Config, data or {}, "")
-    validate(cfg)
+    validate(cfg, need_data=need_data)
     return cfg
 
 
@@ -514,12 +608,14 @@ def _apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                need_data: bool = True) -> Config:
     """Read a YAML config (optional) and apply `dotted.key=value` overrides.
 
     Args:
       path: YAML file; None starts from the defaults.
       overrides: strings like 'train.steps=20' or 'model.attention=xla'. Values parse as YAML.
+      need_data: False accepts `data.source: null` (an import-hf config read for its model only).
     Returns:
       A frozen, phase-1-validated Config.
     Raises:
@@ -536,7 +632,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
-    return from_dict(_apply_overrides(data, list(overrides)))
+    return from_dict(_apply_overrides(data, list(overrides)), need_data=need_data)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -546,36 +642,49 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+# One line, for `jaxtrain train` (and everything that loads a config to train) on an imported config.
+DATA_NOT_CHOSEN = ("data.source is not chosen (null, as import-hf writes it): set data.source=text data.path=FILES "
+                   "(.txt/.jsonl), data.source=tokens data.path=DIR (from jaxtrain prepare-data), or data.source=markov "
+                   "to train on the synthetic Markov chain on purpose")
+
+
 def logical_axis_names() -> list[str]:
     """Every logical axis name the model uses: the keys of the default rules table, plus 'norm'
     (norm scales, always replicated)."""
     return sorted(set(MeshConfig().rules) | {"norm"})
 
 
-def validate(cfg: Config) -> None:
-    """Phase 1: rules that need no devices. Raises ConfigError naming the keys involved."""
+def validate(cfg: Config, *, need_data: bool = True) -> None:
+    """Phase 1: rules that need no devices. Raises ConfigError naming the keys involved.
+
+    `need_data=False` accepts a config whose data is not chosen yet (`data.source: null`, as
+    import-hf writes it) for readers that need only the model (export-hf).
+    """
     m, d, t = cfg.model, cfg.data, cfg.train
+    if d.source is None and need_data:
+        raise ConfigError(DATA_NOT_CHOSEN)
     positive = {
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.head_dim": m.head_dim,
         "model.mlp_dim": m.mlp_dim, "model.max_seq_len": m.max_seq_len, "data.seq_len": d.seq_len,
         "data.global_batch_size": d.global_batch_size, "train.steps": t.steps, "train.log_every": t.log_every,
         "train.grad_accum": t.grad_accum, "data.prefetch": d.prefetch + 1,
-        "train.host_sync_every": t.host_sync_every, "train.eval_batches": t.eval_batches,
+        "train.host_sync_every": t.host_sync_every,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {value}")
-    for axis in ("data", "fsdp", "tensor", "stage", "expert"):
+    for axis in MESH_AXES:
         v = getattr(cfg.mesh, axis)
         if v == 0 or v < -1:
             raise ConfigError(f"config key 'mesh.{axis}' must be a positive size or -1 (fill), got {v}")
-    for axis in ("data", "stage", "fsdp", "expert"):
+    for axis in DCN_MESH_AXES:
         if getattr(cfg.mesh, f"dcn_{axis}") < 1:
             raise ConfigError(f"config key 'mesh.dcn_{axis}' must be a positive size (1 = no DCN split), "
                               f"got {getattr(cfg.mesh, f'dcn_{axis}')}")
-    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tensor", "stage", "expert")) > 1:
-        raise ConfigError("only one of mesh.data/stage/fsdp/expert/tensor may be -1 (fill with the remaining devices)")
+    filled = [f"mesh.{a}" for a in MESH_AXES if getattr(cfg.mesh, a) == -1]
+    if len(filled) > 1:
+        raise ConfigError(f"only one mesh axis may be -1 (fill with the remaining devices), got {' and '.join(filled)}")
     validate_moe(cfg)
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
@@ -631,9 +740,9 @@ def validate(cfg: Config) -> None:
     for logical, target in cfg.mesh.rules.items():
         targets = target if isinstance(target, list) else [target]
         for a in targets:
-            if a is not None and a not in ("data", "stage", "fsdp", "expert", "context", "tensor"):
+            if a is not None and a not in MESH_AXES:
                 raise ConfigError(f"mesh.rules['{logical}'] names mesh axis '{a}'; "
-                                  "valid axes are data, stage, fsdp, expert, context, tensor")
+                                  f"valid axes are {', '.join(MESH_AXES)}")
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
             value = getattr(getattr(cfg, section.name), f.name)
@@ -650,8 +759,9 @@ def validate(cfg: Config) -> None:
          "must be positive and at most precision.loss_scale_init"),
         ("stability.window", st.window, st.window > 0, "must be positive"),
         ("stability.spike_threshold", st.spike_threshold, st.spike_threshold > 0, "must be positive"),
-        ("stability.min_history", st.min_history, st.min_history >= 2, "must be at least 2 (a spread needs two values)"),
-        ("stability.min_history", st.min_history, st.min_history <= st.window,
+        ("stability.min_rise", st.min_rise, st.min_rise >= 0, "must be >= 0"),
+        ("stability.min_history", st.min_history, st.history_needed >= 2, "must be at least 2 (a spread needs two values)"),
+        ("stability.min_history", st.min_history, st.history_needed <= st.window,
          f"must be at most stability.window ({st.window}): the history holds only that many values"),
         ("stability.rebaseline_after", st.rebaseline_after, st.rebaseline_after >= 1, "must be >= 1"),
         ("stability.max_spikes", st.max_spikes, st.max_spikes >= 0, "must be >= 0"),
@@ -680,7 +790,7 @@ def validate(cfg: Config) -> None:
     if o.prometheus_textfile is not None and not o.prometheus_textfile.endswith(".prom"):
         raise ConfigError(f"config key 'observe.prometheus_textfile' must end in .prom (node_exporter's textfile "
                           f"collector reads only those), got '{o.prometheus_textfile}'")
-    for key in ("nan_at_steps", "spike_at_steps"):
+    for key in ("nan_at_steps", "spike_at_steps", "corrupt_at_steps"):
         steps = getattr(cfg.chaos, key)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):
             raise ConfigError(f"config key 'chaos.{key}' must be a list of step numbers >= 1, got {steps!r}")
@@ -689,7 +799,7 @@ def validate(cfg: Config) -> None:
                        "chaos.slow_link_seconds": ch.slow_link_seconds,
                        "chaos.kill_process": ch.kill_process, "chaos.slow_process": ch.slow_process,
                        "chaos.crash_at_step": ch.crash_at_step, "chaos.raise_process": ch.raise_process,
-                       "train.eval_every": t.eval_every}.items():
+                       "train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches}.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
     links = [ch.slow_link] if ch.slow_link and not isinstance(ch.slow_link[0], list) else ch.slow_link
@@ -737,6 +847,14 @@ def validate(cfg: Config) -> None:
                                   "belongs on node-local storage, not in the shared run directory")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
+    if cfg.optim.decay_steps is not None and cfg.optim.decay_steps < 1:
+        raise ConfigError(f"config key 'optim.decay_steps' must be >= 1 (null = train.steps), got {cfg.optim.decay_steps}")
+    allowed = cfg.run.allow_changes
+    if isinstance(allowed, str) and allowed != "all":
+        raise ConfigError(f"config key 'run.allow_changes' must be a list of dotted keys or `all`, got '{allowed}'")
+    for key in (allowed if isinstance(allowed, list) else []):
+        if key != "all" and key not in all_keys():
+            raise ConfigError(f"run.allow_changes names {_unknown_key(str(key))}")
 
 
 def validate_moe(cfg: Config) -> None:

@@ -35,8 +35,13 @@ HOST = "JAXTRAIN_HOST"
 # changes them otherwise).
 HOST_MALLOC = "JAXTRAIN_HOST_MALLOC"
 
+# The file of measured peak FLOP/s (the MFU denominator where no datasheet peak is known), kept so that
+# every run on a machine divides by the same number. Empty: measure at every start, keep nothing.
+# Unset: `jaxtrain/peak_flops.json` in the user cache folder ($XDG_CACHE_HOME, else ~/.cache).
+PEAK_CACHE = "JAXTRAIN_PEAK_CACHE"
+
 ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS, HOST,
-       HOST_MALLOC)
+       HOST_MALLOC, PEAK_CACHE)
 
 # Settings of the setup scripts themselves, never read by a jaxtrain process.
 SCRIPT_SETTINGS = (
@@ -59,3 +64,11 @@ def launcher_slot(environ: os._Environ | dict = os.environ) -> int | None:
 def host_name(environ: os._Environ | dict = os.environ) -> str | None:
     """The host name this process stands for (JAXTRAIN_HOST), or None: the machine's own."""
     return environ.get(HOST) or None
+
+
+def peak_cache_file(environ: os._Environ | dict = os.environ) -> str | None:
+    """Where measured peak FLOP/s are kept (JAXTRAIN_PEAK_CACHE, else the user cache folder), or None."""
+    if PEAK_CACHE in environ:
+        return environ[PEAK_CACHE] or None
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxtrain", "peak_flops.json")

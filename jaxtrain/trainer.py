@@ -35,6 +35,7 @@ from flax import nnx
 
 from jaxtrain import __version__, env, host_malloc
 from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
+from jaxtrain.checkpoint.checkpointer import restore_latest_read_only
 from jaxtrain.checkpoint.compilation_cache import last_compile_s, shared_cache_run_dir
 from jaxtrain.checkpoint.local_tier import LocalTier
 from jaxtrain.checkpoint.paths import is_remote, join
@@ -59,7 +60,8 @@ from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_p
 from jaxtrain.parallel import context, pipeline
 from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
 from jaxtrain.parallel.sharding import global_batch, process_rows
-from jaxtrain.train.evaluation import Evaluator, PendingEval
+from jaxtrain.train.config_changes import check_resume
+from jaxtrain.train.evaluation import EvalResult, Evaluator, PendingEval
 from jaxtrain.train.rollback import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
 from jaxtrain.train.state import State, build_layout
 from jaxtrain.train.step import BATCH_KEYS
@@ -81,7 +83,8 @@ def check_run_paths(cfg: Config) -> None:
 ABORT_GRACE_S = 1.0
 
 # Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
-RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z")
+RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z",
+            "loss_rise")
 MOE_RECORDED = ("moe_aux_loss", "router_z_loss", "moe_max_load", "moe_dropped_fraction")  # model.num_experts > 0
 
 
@@ -104,13 +107,15 @@ class _Pending:
 class Trainer:
     """One training run. Construction validates, builds the sharded state and restores or initialises it."""
 
-    def __init__(self, cfg: Config, *, console: IO[str] | None = None, write_files: bool = True,
+    def __init__(self, cfg: Config, *, console: IO[str] | str | None = "auto", write_files: bool = True,
                  devices: list[jax.Device] | None = None, started_at: float | None = None):
         """Args:
           cfg: the validated config.
-          console: where progress lines go (None: nowhere). On a terminal the line is rewritten
+          console: where progress lines go ("auto": stdout, so that fit() in a notebook shows them;
+            None: nowhere; only process 0 prints). On a terminal the line is rewritten
             in place; elsewhere every logged step is one plain line.
-          write_files: False keeps the run directory untouched (notebooks, tests).
+          write_files: False keeps the run directory untouched (notebooks, tests); a run directory
+            that holds checkpoints is still restored from (read-only), never trained from scratch.
           devices: the devices to build the mesh on (default: all of the job's devices).
           started_at: wall time the process started (for restart_to_first_step_s).
         Raises:
@@ -125,7 +130,7 @@ class Trainer:
             self.signals.restore()
             raise
 
-    def _build(self, cfg: Config, *, console: IO[str] | None, write_files: bool, devices: list[jax.Device] | None,
+    def _build(self, cfg: Config, *, console: IO[str] | str | None, write_files: bool, devices: list[jax.Device] | None,
                started_at: float | None) -> None:
         """The construction proper (see __init__), with the signal handlers already ours."""
         self.cfg = cfg
@@ -174,6 +179,7 @@ class Trainer:
         self.step_marks = (StepMarks(len(self.mesh.local_devices), self.chaos.in_step)
                            if step_marks_wanted(cfg, self.process_count, self.mesh.devices.flat[0].platform) else None)
         self.watchdog.marks = self.step_marks
+        self.evaluator.on_progress = self.watchdog.progress
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
         self.guard = SpikeGuard(cfg, self._event)
@@ -194,7 +200,10 @@ class Trainer:
         self._queued_events = []
 
         self._host_step = self.step_count  # the host's count, so it never has to read the device's step
-        self.peak_flops, self.peak_source = peak_flops_per_device(devices[0], cfg.precision.policy)
+        # Measured peaks are kept per machine (env.peak_cache_file): runs there get comparable MFU.
+        self.peak_flops, self.peak_source = peak_flops_per_device(
+            devices[0], cfg.precision.policy, cache_file=env.peak_cache_file(),
+            xla_flags=os.environ.get("XLA_FLAGS", "").split())
         self.throughput = Throughput(flops_per_step(cfg), self.peak_flops, self.mesh.size, self._host_step)
         self.profiler = StepProfiler(cfg.train.profile_steps, join(self.output_dir, "profile"), cfg.train.steps,
                                      enabled=self.process_index == 0 and write_files)
@@ -245,7 +254,10 @@ class Trainer:
         self.resume_source: str | None = None
         if self.local is not None and self._restore_local(latest):
             return
+        if not write_files and self._restore_read_only(checkpoint_dir):
+            return
         if latest is not None:
+            self._check_config_changes(latest, latest)
             with self.watchdog.phase("checkpoint"):  # a restore gets the checkpoint deadline, not start-up's
                 self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
             self.data.set_state(extra["data"])
@@ -258,12 +270,27 @@ class Trainer:
                 self.state = {**self.state, "params": params}
                 self._event("init_from", 0, path=cfg.checkpoint.init_from)
 
+    def _restore_read_only(self, checkpoint_dir: str) -> bool:
+        """write_files=False on a trained run directory: its newest good checkpoint, read without
+        writing anything (a notebook reading a run must see the trained model, not a fresh one)."""
+        if not is_remote(checkpoint_dir) and not Path(checkpoint_dir).is_dir():
+            return False
+        found = restore_latest_read_only(checkpoint_dir, self.abstract_state())
+        if found is None:
+            return False
+        self.resumed_from, self.state, extra = found
+        self.data.set_state(extra["data"])
+        self.resume_source = "persistent"
+        self._event("restore_read_only", self.resumed_from, path=checkpoint_dir)
+        return True
+
     def _restore_local(self, persistent: int | None) -> bool:
         """Restore the local tier's newest step complete on every process if it is newer than the
         persistent step `persistent` (every process agrees); False: use the persistent tier."""
         with self.watchdog.phase("checkpoint"):
             plan, reason = self.local.plan(persistent, self.abstract_state())
             if plan is not None:
+                self._check_config_changes(plan.step, persistent)
                 state, extra, reason = self.local.restore(plan, self.abstract_state())
                 if state is not None:
                     self.state = state
@@ -273,6 +300,19 @@ class Trainer:
         if reason != "no local checkpoints":
             self._event("local_tier_fallback", persistent or 0, reason=reason, persistent_step=persistent)
         return False
+
+    def _check_config_changes(self, step: int, persistent: int | None) -> None:
+        """Before the first restore of this run's own checkpoint `step`: a change of what was already
+        trained stops the run (ConfigError, nothing written yet); any change is recorded as a
+        `config_changed` event (jaxtrain/train/config_changes.py). Once: a local restore that falls
+        back to the persistent tier was checked when it was planned."""
+        if getattr(self, "_config_checked", False):
+            return
+        self._config_checked = True
+        changed = check_resume(self.cfg, join(self.output_dir, "checkpoints"), step, persistent=persistent,
+                               agree=self.checkpointer.agree)
+        if changed is not None:
+            self._event("config_changed", step, **changed)
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
@@ -328,7 +368,7 @@ class Trainer:
             self._compile()
         position = self.data.position
         batch_index = position if self.layout.chaos_drills else None
-        local = next(self.data)
+        local = self.chaos.corrupt(position, self._host_step + 1, next(self.data), self.cfg.model.vocab_size)
         wait = float(getattr(self.data, "last_wait_s", 0.0))
         batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules,
                              self.cfg.data.global_batch_size)
@@ -380,7 +420,7 @@ class Trainer:
             record["z_loss"] = values["z_loss"]
         if pending.evaluation is not None:
             t = time.perf_counter()
-            record["eval_loss"] = self.evaluator.result(pending.evaluation)
+            record["eval_loss"], record["eval_tokens"] = self.evaluator.read(pending.evaluation)
             record["eval_s"] = pending.eval_s + time.perf_counter() - t  # queueing it + waiting for it
             record["eval_dispatch_s"] = pending.eval_s  # the queueing part, inside step_time_s (goodput)
             self.throughput.exclude(pending.step)  # evaluation time is not step time
@@ -419,8 +459,14 @@ class Trainer:
         return pending
 
     def evaluate(self, num_batches: int | None = None) -> float | None:
-        """Mean loss per token of the current parameters on the held-out data, or None without one."""
+        """Mean loss per token of the current parameters on the held-out data, or None without one.
+        `num_batches`: None = train.eval_batches, 0 = the whole set, N = a cap (Evaluator.dispatch).
+        `eval_result` also gives the number of tokens counted."""
         return self.evaluator.evaluate(self.state["params"], num_batches, self._router_bias())
+
+    def eval_result(self, num_batches: int | None = None) -> EvalResult | None:
+        """Like `evaluate`, with the tokens counted: (loss, tokens), or None without held-out data."""
+        return self.evaluator.run(self.state["params"], num_batches, self._router_bias())
 
     def model(self) -> Transformer:
         """A model holding a copy of the current parameters (for inference in a notebook).
@@ -567,6 +613,7 @@ class Trainer:
                        context=context.describe(self.cfg, self.mesh_sizes),
                        params=self.num_params, attention=self.attention,
                        compile_s=round(self.compile_s, 3), started_at=self._started_at,
+                       train_steps=self.cfg.train.steps,
                        entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
                        # what XLA was started with (`jaxtrain train` adds jaxtrain/xla_cpu.py's on the CPU)

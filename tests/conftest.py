@@ -2,12 +2,16 @@
 
 import os
 import sys
+import tempfile
 
 # Tests live in one folder per part of the system (tests/fault/, tests/parallel/, ...); the
 # helpers they share (trees.py, storage_servers.py, independent_attention.py) stay here.
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The measured matmul peak is cached per machine (env.peak_cache_file): tests keep theirs apart from
+# the user's cache, so a figure measured under the suite's load never becomes a real run's MFU peak.
+os.environ.setdefault("JAXTRAIN_PEAK_CACHE", os.path.join(tempfile.mkdtemp(prefix="jaxtrain_peak_"), "peak_flops.json"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Triton kernels run under the Triton interpreter here (no GPU). Triton reads this when its
 # decorators run, and transformers/torch (tests/hf/test_hf.py) import triton at collection time,
@@ -41,6 +45,22 @@ def child_env(tmp_path_factory) -> dict[str, str]:
     env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
     env["CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
     return env
+
+
+@pytest.fixture
+def jaxtrain_train():
+    """Run `jaxtrain train ARGS` in a subprocess as a user's shell would: without the suite's XLA flags
+    and settings, so the CLI picks its own (jaxtrain/xla_cpu.py: YNNPACK fusions, wide vectors), the
+    flags that in-process Trainers here never see. Returns the CompletedProcess (text, captured)."""
+    import subprocess
+
+    def run(*args: str, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS",
+                                                                 "JAXTRAIN_RESTART_ATTEMPT")}
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    return run
 
 
 # The second tier (`pytest -m ""` runs it too; CI runs the default tier, `-m 'not full'` in

@@ -651,3 +651,35 @@ def restore_params_only(path: str, abstract_params: Any) -> Any:
     restored = ocp.Checkpointer(_pytree_handler(folder)).restore(folder / "state", args=ocp.args.PyTreeRestore(
         item, ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
     return restored["params"]
+
+
+def restore_latest_read_only(checkpoint_dir: str, abstract_state: Any) -> tuple[int, Any, dict] | None:
+    """The newest good checkpoint of a run, restored without writing anything (`Trainer(...,
+    write_files=False)`: a notebook reading a trained run). No key-value agreement, no barrier:
+    each process reads its own listing, which is safe because nothing here can change the folder.
+
+    Returns:
+      (step, state, extra), or None when the folder holds no committed checkpoint.
+    Raises:
+      ConfigError: names or shapes differ from `abstract_state` (checked before reading arrays).
+      CheckpointError: the newest good checkpoint became unreadable while reading it.
+    """
+    root = to_path(checkpoint_dir)
+    if not root.exists():
+        return None
+    step = latest_good(root)
+    if step is None:
+        return None
+    folder = root / str(step)
+    verdict = _restore_verdict(folder, abstract_state)
+    kind, _, message = verdict.partition(":")
+    if kind == "mismatch":
+        raise ConfigError(message)
+    if kind != "ok":
+        raise CheckpointError(message)
+    handler = ocp.CompositeCheckpointHandler(state=_pytree_handler(root), extra=ocp.JsonCheckpointHandler())
+    with ocp.Checkpointer(handler) as reader:
+        out = reader.restore(folder, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(abstract_state, ocp.checkpoint_utils.construct_restore_args(abstract_state)),
+            extra=ocp.args.JsonRestore()))
+    return step, out["state"], dict(out["extra"] or {})

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from jaxtrain.config import Config
 
@@ -83,6 +84,19 @@ class Chaos:
             self.event("chaos", step, drill="spike", batch=batch_index, factor=c.spike_factor)
             return float(c.spike_factor)
         return 1.0
+
+    def corrupt(self, batch_index: int, step: int, local: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+        """`chaos.corrupt_at_steps`: this process's rows of that batch with every token and target
+        replaced by uniform random ids (a corrupted shard: real bad data on the data path, unlike
+        spike_factor, which scales the loss). Keyed by the batch, like the other numerics drills;
+        seeded by batch and process, so every attempt corrupts the same rows the same way."""
+        if batch_index + 1 not in self.cfg.corrupt_at_steps:
+            return local
+        if self.process_index == 0:
+            self.event("chaos", step, drill="corrupt", batch=batch_index)
+        rng = np.random.default_rng([batch_index, self.process_index])
+        noise = lambda a: rng.integers(0, vocab_size, size=np.shape(a)).astype(np.asarray(a).dtype)
+        return {**local, "tokens": noise(local["tokens"]), "targets": noise(local["targets"])}
 
     def after_step(self, step: int, state: Any) -> None:
         """Drills that act between steps: kill a process, crash a bad slot, slow one down."""

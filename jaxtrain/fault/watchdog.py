@@ -149,6 +149,13 @@ class Watchdog:
             self._phase, self._step, self._since = phase, step, time.monotonic()
             self._beat_time = time.time()
 
+    def progress(self) -> None:
+        """Progress inside the current step and phase (an evaluation read back batch by batch): its
+        deadline counts anew, so long healthy work between two steps is not taken for a hang."""
+        with self._lock:
+            self._since = time.monotonic()
+            self._beat_time = time.time()
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Run a block under `name`'s deadline; afterwards the previous phase continues, counted anew."""

@@ -22,7 +22,7 @@ from jaxtrain.checkpoint import storage
 from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.config import Config, ConfigError, from_dict, load_config
 from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, refuse_url,
-                               write_safetensors, writing)
+                               write_generation_config, write_safetensors, write_tokenizer, writing)
 from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors_from_params
 
 
@@ -58,19 +58,58 @@ def _find_up(start: Optional[str], name: str, levels: int = 3, *, key: str = "ch
 
 
 def _load_run_config(run: str, where: str) -> Config:
-    """The run's config.yaml (a local file or an object), validated like `load_config`."""
+    """The run's config.yaml (a local file or an object), validated like `load_config`; an
+    import-hf directory's config, whose data is not chosen, is accepted (only the model matters)."""
     path = join(run, "config.yaml")
     if not storage.is_file(path):
         raise ConfigError(f"export-hf: '{where}' has no config.yaml (expected a jaxtrain run directory)")
     if not is_remote(path):
-        return load_config(path)
+        return load_config(path, need_data=False)
     try:
         data = yaml.safe_load(storage.read_bytes(path).decode())
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections")
-    return from_dict(data)
+    return from_dict(data, need_data=False)
+
+
+def _token_meta(spec: str) -> Optional[dict]:
+    """The meta.json of the token files `spec` names (data.path), or None when there is none here
+    (no meta.json, or files on another machine)."""
+    from jaxtrain.data.sources import META_NAME, TOKEN_SUFFIXES, read_meta, resolve_paths
+
+    try:
+        files = resolve_paths(spec, "data.path", TOKEN_SUFFIXES)
+    except ConfigError:
+        return None
+    for folder in dict.fromkeys(f.parent for f in files):
+        if (folder / META_NAME).is_file():
+            return read_meta(folder / META_NAME)
+    return None
+
+
+def _run_tokenizer(cfg: Config) -> tuple[Optional[str], Optional[int], bool]:
+    """(tokenizer, eod id, known) of the data the run trained on.
+
+    tokenizer is 'bytes', a tokenizers JSON path or None; eod id is None when unknown. `known` is
+    True when the data fixes the tokenizer (tokens or text); for markov (and an import's unchosen
+    data) the tokenizer is only `data.tokenizer`, the model's own at best.
+    """
+    from jaxtrain.data.tokenizer import BYTES_EOD_ID, load_tokenizer
+
+    d = cfg.data
+    if d.source == "tokens" and d.path:
+        meta = _token_meta(d.path)
+        if meta is not None:  # what prepare-data tokenized with: the resolved path, or 'bytes'
+            return meta.get("tokenizer"), meta["eod_id"], True
+    spec = d.tokenizer
+    if spec == "bytes":  # token files without meta.json may come from anywhere: not known
+        return ("bytes", BYTES_EOD_ID, True) if d.source == "text" else (None, d.eod_id, False)
+    known = d.source in ("tokens", "text")
+    if is_remote(spec) or not Path(spec).expanduser().is_file():
+        return spec, d.eod_id, known  # gone since training: reported, not copied
+    return spec, load_tokenizer(spec, d.eod_id).eod_id, known
 
 
 def _restore_params(run_dir: str, cfg: Config, step: Optional[int]) -> tuple[dict, int]:
@@ -118,7 +157,8 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
       dtype: 'fp32', 'bf16' or 'fp16' (default: the imported source's dtype, else fp32).
       max_shard_size: above this many bytes the weights are split into shards with an index.
     Returns:
-      Summary: output, step, dtype, files, tokenizer (files copied).
+      Summary: output, step, dtype, files, tokenizer (files copied or written), eos_token_id (or
+      None), missing_tokenizer (the path of a tokenizer the run used that is no longer there, or None).
     Raises:
       ConfigError: no config.yaml or usable checkpoint, a config that does not match the
         checkpoint, an fp16 overflow, an existing or remote output, or a bucket that cannot be
@@ -150,19 +190,40 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
                               "export with --dtype bf16 or fp32")
         tensors.append((name, cast))
     del params
-    # The tokenizer the run trained with (a local file), else the imported source's files.
+    # The tokenizer the run trained with: a Hugging Face tokenizer folder (an import's) is copied
+    # as it is; a bare tokenizers file (prepare-data's) gets a tokenizer_config.json around it.
+    # Without one (markov data), the imported source's files.
+    tokenizer, eod_id, known = _run_tokenizer(cfg)
     tokenizer_home: Optional[str] = None
-    tokenizer = cfg.data.tokenizer
-    if tokenizer != "bytes" and not is_remote(tokenizer) and Path(tokenizer).expanduser().is_file():
-        tokenizer_home = os.fspath(Path(tokenizer).expanduser().parent)
-    elif hf_home is not None:
+    bare: Optional[Path] = None
+    missing: Optional[str] = None
+    local = Path(tokenizer).expanduser() if tokenizer and tokenizer != "bytes" and not is_remote(tokenizer) else None
+    if local is not None and local.is_file():
+        if local.name == "tokenizer.json" and (local.parent / "tokenizer_config.json").is_file():
+            tokenizer_home = os.fspath(local.parent)
+        else:
+            bare = local
+    elif tokenizer and tokenizer != "bytes" and known:  # the data's own tokenizer, not merely data.tokenizer
+        missing = tokenizer
+    if tokenizer_home is None and bare is None and not known and hf_home is not None:
         tokenizer_home = hf_home
+    hf_config = hf_config_from_model(cfg.model, dtype, source)
+    if eod_id is not None and "eos_token_id" not in hf_config:
+        # The source's ids win (they are its convention); else the eod id, the only boundary the
+        # model has seen: bos and pad too, as the tokenizer_config.json written below says.
+        hf_config.update(bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id)
     with writing(tmp):
         files = write_safetensors(tensors, tmp, max_bytes)
-        (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg.model, dtype, source), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         copied = copy_tokenizer(tokenizer_home, tmp) if tokenizer_home else []
+        if bare is not None and eod_id is not None:  # a bare file always comes with an eod id (_run_tokenizer)
+            copied += write_tokenizer(bare, eod_id, tmp, cfg.model.max_seq_len)
+        ids = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config}
+        if "generation_config.json" not in copied and "eos_token_id" in ids:
+            copied.append(write_generation_config(ids, tmp))
         finish(tmp, out)
-    return {"output": os.fspath(out), "step": step, "dtype": dtype, "files": files, "tokenizer": copied}
+    return {"output": os.fspath(out), "step": step, "dtype": dtype, "files": files, "tokenizer": copied,
+            "eos_token_id": hf_config.get("eos_token_id"), "missing_tokenizer": missing}
 
 
 def main(argv: list[str]) -> int:
@@ -184,6 +245,9 @@ def main(argv: list[str]) -> int:
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     s = export_hf(args.run_dir, args.output, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    gone = s["missing_tokenizer"]
+    missing = f" (the run's tokenizer '{gone}' is not there any more)" if gone else ""
+    eos = "no eos id" if s["eos_token_id"] is None else f"eos id {s['eos_token_id']}"
     print(f"export-hf: step {s['step']} as {s['dtype']} into {s['output']} ({len(s['files'])} file(s)); "
-          f"copied {', '.join(s['tokenizer']) or 'no tokenizer files'}")
+          f"tokenizer: {', '.join(s['tokenizer']) or 'no files'}{missing}; {eos}")
     return 0

@@ -171,10 +171,28 @@ def fresh_output(path: str) -> tuple[Path, Path]:
 
 
 def finish(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory to its final name."""
+    """Move the finished temporary directory to its final name, its files readable as any new
+    file of this process (0644 under umask 022)."""
+    _ordinary_modes(tmp)
     if out.exists():
         out.rmdir()  # checked empty above; rename needs it gone (or empty) on every platform
     os.replace(tmp, out)
+
+
+def _ordinary_modes(folder: Path) -> None:
+    """Give every file under `folder` the mode a new file gets here (0666 less the umask).
+
+    safetensors writes its files 0600, unreadable to the group that serves or reads the model.
+    The umask is read from a probe file rather than os.umask(), which would change it process-wide
+    for a moment.
+    """
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 @contextlib.contextmanager
@@ -206,6 +224,39 @@ def copy_tokenizer(src: str | Path, dst: Path) -> list[str]:
             (dst / name).write_bytes(storage.read_bytes(join(src, name)))
             copied.append(name)
     return copied
+
+
+def write_tokenizer(tokenizer_file: Path, eod_id: int, dst: Path, max_len: int) -> list[str]:
+    """Write a bare `tokenizers` JSON file (as `prepare-data --tokenizer` takes) as a Hugging Face
+    tokenizer: `tokenizer.json` plus a `tokenizer_config.json` naming the end-of-document token as
+    bos, eos and pad (jaxtrain ends every document with it, so it also starts the next one).
+
+    An eod id one past the vocabulary (a tokenizer without an end-of-text token, see
+    `jaxtrain.data.tokenizer`) is added as the special token `<|endoftext|>`, so the exported
+    tokenizer can name it. Returns the names written.
+    """
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(os.fspath(tokenizer_file))
+    token = tok.id_to_token(eod_id)
+    if token is None and eod_id == tok.get_vocab_size(with_added_tokens=True):
+        tok.add_special_tokens([tokenizers.AddedToken("<|endoftext|>", special=True)])
+        token = tok.id_to_token(eod_id)
+        tok.save(os.fspath(dst / "tokenizer.json"))
+    else:
+        shutil.copyfile(tokenizer_file, dst / "tokenizer.json")  # the exact file the data was made with
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+                              "clean_up_tokenization_spaces": False}
+    if token is not None:  # an id the tokenizer cannot name still goes into config.json
+        config.update(bos_token=token, eos_token=token, pad_token=token)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def write_generation_config(ids: dict[str, int], dst: Path) -> str:
+    """Write `generation_config.json` with the bos/eos/pad ids, so `generate` stops at eos."""
+    (dst / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    return "generation_config.json"
 
 
 def read_hf_config(src: Path) -> dict:

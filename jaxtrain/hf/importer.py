@@ -48,11 +48,13 @@ def import_hf(source: str, output: str) -> dict:
     cfg = from_dict({
         "run": {"name": name, "output_dir": f"runs/{name}"},
         "model": model,
-        "data": {"seq_len": min(128, model["max_seq_len"]),
+        # No data source: training refuses until one is named (config.DATA_NOT_CHOSEN), so the
+        # imported model is never fine-tuned on the default synthetic Markov chain by accident.
+        "data": {"source": None, "seq_len": min(128, model["max_seq_len"]),
                  **({"tokenizer": os.fspath(tokenizer)} if tokenizer else {})},
         # A run from this config starts from the imported weights unless told otherwise.
         "checkpoint": {"init_from": os.fspath(out)},
-    })
+    }, need_data=False)
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(src, stack)
         source_dtype = check_tensors(reader, cfg.model)
@@ -61,14 +63,21 @@ def import_hf(source: str, output: str) -> dict:
     num_params = sum(x.size for x in _leaves(params))
     with writing(tmp):
         header = (f"# Imported from {src.absolute()} by `jaxtrain import-hf` ({num_params:,} parameters).\n"
-                  f"# Train: jaxtrain train --config {out / 'config.yaml'} data.source=... run.output_dir=...\n")
-        (tmp / "config.yaml").write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                  f"# Train: jaxtrain train --config {out / 'config.yaml'} data.source=text|tokens data.path=... "
+                  "run.output_dir=...\n")
+        (tmp / "config.yaml").write_text(header + _with_source_comment(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))
         (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         copied = copy_tokenizer(src, tmp)
         _save_params(tmp / "checkpoints", params, {"source": os.fspath(src.absolute()), "source_dtype": source_dtype})
         finish(tmp, out)
     return {"output": os.fspath(out), "num_params": num_params, "source_dtype": source_dtype,
             "files": files, "tokenizer": copied}
+
+
+def _with_source_comment(text: str) -> str:
+    """The dumped config with a comment on `data.source: null` saying what to choose."""
+    note = "  source: null  # choose: text or tokens (with data.path), or markov (synthetic); training refuses null"
+    return text.replace("\ndata:\n  source: null\n", f"\ndata:\n{note}\n", 1)
 
 
 def _leaves(tree: dict) -> Iterator[np.ndarray]:

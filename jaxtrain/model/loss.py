@@ -190,7 +190,11 @@ def _loss_and_grads(x_BLD, head_DV, targets_BL, mask_BL, z_loss: float, chunk: i
         place_logits = lambda a: wsc(a, layout.logits)
         R = layout.R
         place_dW = lambda a: wsc(a, layout.dW)
-    place_batch = lambda a: a if part.mesh is None else constrain(a, ("batch",))
+    # dx [G, B/G, C, D] stays on its tokens' length shards (context parallelism): constrained to the
+    # batch alone, it was all-gathered over `context` and sliced back after the loop, and on the CPU
+    # the gather's length-major layout reached YNNPACK's elementwise fusions, which reject it
+    # ("Instruction with unsupported layout in YNN fusion" under `jaxtrain train`'s flags).
+    place_batch = lambda a: a if part.mesh is None else constrain(a, ("batch", None, "length"))
     xs = (_split(x_BLD, G, chunk), _split(targets_BL, G, chunk), _split(mask_BL.astype(jnp.float32), G, chunk))
 
     def inputs(c):

@@ -1,8 +1,9 @@
-"""The run's logs: metrics.jsonl, events.jsonl, TensorBoard scalars and the progress line.
+"""The run's logs: metrics.jsonl, events.jsonl, TensorBoard scalars and the console lines.
 
 Only process 0 writes; other processes get a RunLog that drops everything. On a terminal the
 progress line is rewritten in place; anywhere else (SLURM output files, Kubernetes logs, CI,
-`| tee`) each logged step is one plain line.
+`| tee`) each logged step is one plain line. What the console lines say (short, for a person;
+the logs keep every detail) is `jaxtrain.observe.console`'s.
 
 Layout of the logs in a run directory (`read_log` reads either, and is what every reader uses):
   local:   metrics.jsonl, events.jsonl (appended line by line), tensorboard/events.out.tfevents.*
@@ -26,6 +27,7 @@ from typing import IO, Any
 from jaxtrain.checkpoint import storage
 from jaxtrain.checkpoint.paths import is_remote, join
 from jaxtrain.config import Config, save_config
+from jaxtrain.observe.console import Console
 from jaxtrain.observe.tensorboard import ScalarWriter
 
 
@@ -44,11 +46,14 @@ class RunLog:
     retried at the next upload.
     """
 
-    def __init__(self, output_dir: str | None, *, console: IO[str] | None = None, enabled: bool = True,
+    def __init__(self, output_dir: str | None, *, console: IO[str] | str | None = None, enabled: bool = True,
                  flush_interval_s: float = 5.0):
+        """`console`: where the lines for a person go (None: nowhere; "auto": sys.stdout as it is now,
+        which in a notebook is the cell's output). What they say is `console.Console`'s."""
         self.enabled = enabled and output_dir is not None
-        self.console = console
-        self._tty = bool(console is not None and hasattr(console, "isatty") and console.isatty())
+        self.console = sys.stdout if console == "auto" else console
+        self._lines = Console()
+        self._tty = bool(self.console is not None and hasattr(self.console, "isatty") and self.console.isatty())
         self._tb = None
         self._uploader = None
         self._reported: set[int] = set()  # ids of background upload errors already warned about
@@ -75,6 +80,7 @@ class RunLog:
                 storage.write_text(join(self.output_dir, "config.yaml"), f.read())
 
     def event(self, kind: str, step: int, **details: Any) -> None:
+        """One events.jsonl line with every detail, and its short console line (if it has one)."""
         if not self.enabled:
             return
         record = {"time": time.time(), "step": int(step), "kind": kind, **details}
@@ -82,10 +88,13 @@ class RunLog:
         if self._uploader is not None:  # remote: upload now, in the background; never wait for it here
             self._warn_background_errors()
             self._uploader.wake(urgent=True)
-        if self.console is not None and kind not in ("checkpoint_saved",):
-            self._print(f"[{kind}] step {step} " + " ".join(f"{k}={_short(v)}" for k, v in details.items()), keep=True)
+        if self.console is not None:
+            line = self._lines.event(kind, step, details)
+            if line is not None:
+                self._print(line, keep=True)
 
     def metrics(self, record: dict[str, Any]) -> None:
+        """One metrics.jsonl line, its TensorBoard scalars and the progress line."""
         if not self.enabled:
             return
         self._metrics.write(json.dumps(_finite_or_name(record), default=_jsonable) + "\n")
@@ -94,13 +103,7 @@ class RunLog:
                 f"train/{k}": float(v) for k, v in record.items()
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
         if self.console is not None:
-            line = (f"step {record['step']:>6}  loss {record['loss']:.4f}  "
-                    f"tok/s {record['tokens_per_sec']:,.0f}  MFU {100 * record['mfu']:.1f}%")
-            if "eval_loss" in record:
-                line += f"  eval {record['eval_loss']:.4f}"
-            if record.get("skipped_steps"):
-                line += f"  skipped {record['skipped_steps']}"
-            self._print(line, keep=not self._tty)
+            self._print(self._lines.progress(record), keep=not self._tty)
 
     def _print(self, line: str, keep: bool) -> None:
         if self._tty:
@@ -173,10 +176,6 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, (set, tuple)):
         return list(x)
     return str(x)
-
-
-def _short(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def append_event(output_dir: str | None, kind: str, step: int, **details: Any) -> None:

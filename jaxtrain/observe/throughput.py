@@ -1,14 +1,21 @@
 """How fast a run goes: model FLOPs per step, device peaks, and per-step throughput records.
 
 `flops_per_step` counts model FLOPs (PaLM appendix B accounting); `peak_flops_per_device` gives
-the denominator of MFU (a table for known accelerators, a measured matmul on the CPU);
+the denominator of MFU (a table for known accelerators, a measured matmul on the CPU, measured once
+per machine and kept in a small JSON file so that every run there divides by the same number: a
+re-measure at each start moved MFU by a third between two runs of the same steps on a busy host);
 `Throughput` turns a finished step's device metrics plus the host clock into the `metrics.jsonl`
 fields step_time_s, tokens_per_sec, tflops_per_device and mfu.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
+import os
+import platform
+import tempfile
 import time
 from typing import Any
 
@@ -59,14 +66,87 @@ def measure_matmul_peak(dtype: Any = jnp.float32, n: int = 1024, repeats: int = 
     return 2.0 * n ** 3 / best
 
 
-def peak_flops_per_device(device: jax.Device, policy: str) -> tuple[float, str]:
-    """(peak FLOP/s, where the number came from) for MFU."""
+def peak_flops_per_device(device: jax.Device, policy: str, *, cache_file: str | None = None,
+                          xla_flags: list[str] | tuple[str, ...] = ()) -> tuple[float, str]:
+    """(peak FLOP/s, where the number came from) for MFU.
+
+    Known accelerators: their datasheet peak ("table:H100"). Anything else: a measured matmul
+    ("measured:cpu matmul"). With `cache_file`, the measurement is made once per machine, dtype and
+    XLA flags and read back afterwards ("measured:cpu matmul (cached 2026-12-05)"); a cache that
+    cannot be read or written is measured around, never an error.
+    """
     kind = getattr(device, "device_kind", "")
     for name, bf16, fp32 in PEAK_FLOPS:
         if name.lower() in kind.lower():
             return (fp32 if policy == "fp32" else bf16), f"table:{name}"
     dtype = jnp.float32 if policy == "fp32" else jnp.bfloat16
-    return measure_matmul_peak(dtype), f"measured:{device.platform} matmul"
+    source = f"measured:{device.platform} matmul"
+    if cache_file is None:
+        return measure_matmul_peak(dtype), source
+    key = peak_cache_key(device, policy, xla_flags)
+    entry = read_peak_cache(cache_file).get(key)
+    if entry is not None:
+        return entry["flops"], f"{source} (cached {entry['date']})"
+    peak = measure_matmul_peak(dtype, repeats=20)  # kept for good: the best of more tries (~1 s on 2 cores)
+    today = datetime.date.today().isoformat()
+    written = write_peak_cache(cache_file, key, {"flops": peak, "date": today, "time": time.time()})
+    return peak, f"{source} ({'measured now, cached' if written else 'measured now, not cached'})"
+
+
+def peak_cache_key(device: jax.Device, policy: str, xla_flags: list[str] | tuple[str, ...]) -> str:
+    """What a measured matmul peak depends on: the device (on the CPU its model and the cores this
+    process may use), JAX's version, the dtype policy and the XLA flags. The simulated device count
+    is left out: the peak is measured on one device alone whatever the count."""
+    what = [device.platform, getattr(device, "device_kind", ""), f"jax {jax.__version__}", f"policy {policy}"]
+    if device.platform == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        what += [_cpu_model(), f"{cores} cores"]
+    flags = sorted(f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count"))
+    return " | ".join(what + flags)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_peak_cache(path: str) -> dict[str, dict]:
+    """The peak cache's entries by key; {} when the file is missing, unreadable or not what we write."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        peaks = data["peaks"]
+        return {k: v for k, v in peaks.items() if isinstance(v, dict) and isinstance(v.get("flops"), (int, float))
+                and math.isfinite(v["flops"]) and v["flops"] > 0 and isinstance(v.get("date"), str)}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}  # corrupt or foreign: measured again and overwritten
+
+
+def write_peak_cache(path: str, key: str, entry: dict) -> bool:
+    """Add one entry to the peak cache (atomically: a reader never sees half a file). False when it
+    cannot be written (read-only home, full disk): the run goes on with the number it measured."""
+    try:
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        peaks = {**read_peak_cache(path), key: entry}
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".peak_flops.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"peaks": peaks}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return True
+    except OSError:
+        return False
 
 
 class Throughput:

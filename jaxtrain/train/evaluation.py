@@ -17,7 +17,7 @@ reads the replicated sums of the global batch, so every process gets the same re
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -46,12 +46,15 @@ class PendingEval:
     loss_sum: float = 0.0
     tokens: float = 0.0
     queued: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+    progress: Callable[[], None] | None = None  # called as each batch is read back (Evaluator.on_progress)
 
     def read_oldest(self) -> None:
         """Move the oldest queued batch's sums to the host (waits for that batch)."""
         loss, tokens = jax.device_get(self.queued.pop(0))
         self.loss_sum += float(loss)
         self.tokens += float(tokens)
+        if self.progress is not None:
+            self.progress()
 
 
 def eval_batch_plan(num_batches: int | None, cap: int) -> list[int]:
@@ -82,6 +85,9 @@ class Evaluator:
         # A held-out set without train.eval_every is still evaluated once, after the last step: a user
         # who names data.eval expects an eval_loss.
         self.at_end = self.every == 0 and bool(cfg.data.eval)
+        # Told as each batch is read back: a whole-set evaluation longer than fault.hang_timeout_s is
+        # progress, not a hang (the loop passes the watchdog's `progress`).
+        self.on_progress: Callable[[], None] | None = None
         part = partitioning(cfg, layout.mesh, layout.rules)
         # MoE: the routing bias (train state `moe.router_bias`) chooses experts at evaluation too.
         self._moe = cfg.model.num_experts > 0
@@ -114,7 +120,7 @@ class Evaluator:
                                prefetch=0 if cap > 0 else None)
         if data is None:
             return None
-        pending = PendingEval()
+        pending = PendingEval(progress=self.on_progress)
         try:
             for index in eval_batch_plan(data.num_batches, cap):
                 if index != data.position:

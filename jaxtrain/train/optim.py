@@ -17,13 +17,23 @@ import optax
 from jaxtrain.config import Config
 
 
-def learning_rate_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to optim.learning_rate, then cosine decay to min_lr_ratio at train.steps."""
+def schedule_steps(cfg: Config) -> tuple[int, int]:
+    """(warmup steps, total steps) of the learning-rate schedule: optim.decay_steps long, or
+    train.steps when that is unset. Past its end the rate stays at its final value."""
     o = cfg.optim
-    warmup = min(o.warmup_steps, cfg.train.steps)
+    total = o.decay_steps if o.decay_steps is not None else cfg.train.steps
+    warmup = min(o.warmup_steps, total)
+    return warmup, max(total, warmup + 1)
+
+
+def learning_rate_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to optim.learning_rate, then cosine decay to min_lr_ratio at optim.decay_steps
+    (default train.steps)."""
+    o = cfg.optim
+    warmup, total = schedule_steps(cfg)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
-        decay_steps=max(cfg.train.steps, warmup + 1), end_value=o.learning_rate * o.min_lr_ratio)
+        decay_steps=total, end_value=o.learning_rate * o.min_lr_ratio)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

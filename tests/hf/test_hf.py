@@ -89,7 +89,8 @@ def hf_logits(path: Path, tokens: np.ndarray = TOKENS) -> np.ndarray:
 def jax_params(directory: Path, overrides: tuple[str, ...] = (), step: int | None = None) -> tuple:
     """(config, params on one device) of a jaxtrain run or import directory's checkpoint `step`
     (default: the latest good one)."""
-    cfg = load_config(directory / "config.yaml", ["model.attention=xla", *overrides])
+    # need_data=False: an import's config names no data (training refuses it; reading the model is fine)
+    cfg = load_config(directory / "config.yaml", ["model.attention=xla", *overrides], need_data=False)
     abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[1])
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
@@ -144,7 +145,7 @@ def test_import_gives_transformers_logits(variant, tmp_path, capsys):
     assert np.abs(got - expected).max() <= 1e-4, np.abs(got - expected).max()
     assert np.abs(expected).max() > 1.0  # logits large enough that a layout error could not hide
 
-    cfg = load_config(out / "config.yaml")
+    cfg = load_config(out / "config.yaml", need_data=False)
     assert (cfg.model.tie_embeddings, cfg.model.num_kv_heads, cfg.model.head_dim) == (variant == "tied", 2,
                                                                                        head_dim or 8)
     assert cfg.model.norm_eps == RMS_EPS and cfg.model.rope_theta == (10000.0 if variant == "llama3-rope" else 5000.0)
@@ -251,6 +252,25 @@ def test_export_step_n_of_a_run_started_from_an_import_keeps_tokenizer_and_token
             assert written[key] == source[key], key
 
 
+def test_training_an_import_without_naming_data_is_refused(plain, tmp_path, capsys):
+    """An import's config.yaml leaves data.source unchosen (null): `train` with it alone exits 2
+    with one line naming what to set, and writes nothing. Naming the data trains as usual:
+    `data.source=markov` is exercised by the two tests above (TRAIN names it explicitly)."""
+    imported, run = tmp_path / "imported", tmp_path / "run"
+    assert run_cli("import-hf", plain, "--output", imported) == 0
+    capsys.readouterr()
+    assert run_cli("train", "--config", imported / "config.yaml", f"run.output_dir={run}", "train.steps=1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for named in ("data.source=text data.path=", "data.source=tokens data.path=", "data.source=markov"):
+        assert named in err, err
+    assert not run.exists()
+    text = (imported / "config.yaml").read_text()
+    assert "  source: null  # choose:" in text and yaml.safe_load(text)["data"]["source"] is None
+    # Nothing but the data is missing: naming it is enough for the config to load.
+    assert load_config(imported / "config.yaml", ["data.source=markov"]).data.source == "markov"
+
+
 # ----------------------------------------------------------------------------- round trips
 
 
@@ -259,7 +279,7 @@ def test_round_trip_fp32_is_bitwise_and_keeps_config_and_tokenizer(plain, tmp_pa
     assert run_cli("import-hf", plain, "--output", imported) == 0
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (imported / name).read_bytes() == (plain / name).read_bytes()
-    assert load_config(imported / "config.yaml").data.tokenizer == str(imported / "tokenizer.json")
+    assert load_config(imported / "config.yaml", need_data=False).data.tokenizer == str(imported / "tokenizer.json")
     assert run_cli("export-hf", imported, "--output", exported) == 0
     source, back = load_file(plain / "model.safetensors"), load_file(exported / "model.safetensors")
     assert sorted(source) == sorted(back)
@@ -340,7 +360,7 @@ def test_transformers_4_and_5_config_layouts_both_load(tmp_path):
     for src in (src5, src4, src_legacy):
         out = tmp_path / f"imported-{src.name}"
         assert run_cli("import-hf", src, "--output", out) == 0
-        models.append(load_config(out / "config.yaml").model)
+        models.append(load_config(out / "config.yaml", need_data=False).model)
         if src is not src_legacy:  # transformers reads only its own version's layout: compare with that
             np.testing.assert_allclose(jax_logits(out), hf_logits(native), atol=1e-4, rtol=0)
     assert models[0] == models[1] and models[1].rope_theta == theta and models[1].norm_eps == RMS_EPS

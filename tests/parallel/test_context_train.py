@@ -6,6 +6,10 @@ event names the context schedule.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -15,6 +19,9 @@ from jaxtrain.config import load_config
 from jaxtrain.parallel.sharding import global_batch
 from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
+from jaxtrain.xla_cpu import cpu_xla_flags
+
+REPO = Path(__file__).resolve().parents[2]
 
 L = 64
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
@@ -116,7 +123,9 @@ def test_a_context_parallel_checkpoint_restores_onto_a_layout_without_it(tmp_pat
                                                                      "context.attention=allgather"]]
     previous = None
     for i, mesh in enumerate(layouts):
-        trainer = Trainer(base.with_overrides(*mesh, f"train.steps={2 * (i + 1)}"), devices=jax.devices()[:8])
+        # Each restore trains 2 more steps: a longer schedule, consented to (docs/checkpoint.md).
+        trainer = Trainer(base.with_overrides(*mesh, f"train.steps={2 * (i + 1)}", "run.allow_changes=[train.steps]"),
+                          devices=jax.devices()[:8])
         restored = jax.device_get(trainer.state)
         if previous is not None:
             assert trainer.resumed_from == 2 * i
@@ -139,3 +148,20 @@ def test_sequence_parallelism_turns_the_activation_all_reduces_into_gathers_and_
     assert plain["all-gather"] == plain["reduce-scatter"] == 0, plain  # tensor parallelism alone: all-reduces
     assert sp["all-reduce"] <= 0.2 * plain["all-reduce"], (sp, plain)  # left: the gradients' data reductions
     assert sp["all-gather"] > 0.3 * plain["all-reduce"] and sp["reduce-scatter"] > 0.3 * plain["all-reduce"], (sp, plain)
+
+
+def test_jaxtrain_train_runs_context_parallel_with_its_own_cpu_flags(tmp_path, jaxtrain_train):
+    """The user's command, through `jaxtrain train` and the XLA flags it sets on the CPU (the tests
+    above run in-process without them). With YNNPACK's elementwise fusions on, context 4 x data 2
+    failed at its first step ("Instruction with unsupported layout in YNN fusion"): the loss
+    all-gathered its dx over `context`, and the gather's length-major layout reached a YNN fusion."""
+    out = tmp_path / "run"
+    r = jaxtrain_train("--config", str(REPO / "configs/tiny.yaml"), "--cpu-devices", "8", "data.seq_len=512",
+                       "model.max_seq_len=512", "mesh.context=4", "mesh.data=2", "train.steps=3", "train.log_every=1",
+                       "checkpoint.save_at_end=false", f"run.output_dir={out}", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    start = json.loads((out / "events.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "start" and start["context"]["size"] == 4
+    assert set(cpu_xla_flags()) <= set(start["xla_flags"])  # the flags users get (none for an unchecked jaxlib)
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
