@@ -260,8 +260,9 @@ class StabilityConfig:
 
     guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
     window: int = 100  # accepted steps whose loss/grad norm the median and MAD span; also the window for max_spikes
-    spike_threshold: float = 6.0  # a spike: the loss this many robust sigmas (1.4826 x MAD) above its median...
+    spike_threshold: float = 6.0  # a spike: the loss this many noise sigmas above its current level (median of 10)...
     min_rise: float = 0.1  # ... and this fraction above it (the gradient norm is reported, never flags alone)
+    divergence_rise: float = 0.5  # a loss this fraction above the window's lowest level is a spike whatever the noise
     min_history: Optional[int] = None  # values in the history before any spike is flagged (null = min(20, window))
     skip_spikes: bool = False  # do not apply a spike step's update (decided inside the step)
     rebaseline_after: int = 10  # this many spikes in a row: the statistics restart from the new level
@@ -760,6 +761,7 @@ def validate(cfg: Config, *, need_data: bool = True) -> None:
         ("stability.window", st.window, st.window > 0, "must be positive"),
         ("stability.spike_threshold", st.spike_threshold, st.spike_threshold > 0, "must be positive"),
         ("stability.min_rise", st.min_rise, st.min_rise >= 0, "must be >= 0"),
+        ("stability.divergence_rise", st.divergence_rise, st.divergence_rise > 0, "must be positive"),
         ("stability.min_history", st.min_history, st.history_needed >= 2, "must be at least 2 (a spread needs two values)"),
         ("stability.min_history", st.min_history, st.history_needed <= st.window,
          f"must be at most stability.window ({st.window}): the history holds only that many values"),

@@ -84,7 +84,7 @@ ABORT_GRACE_S = 1.0
 
 # Metrics of every step copied into metrics.jsonl as they are (besides throughput and eval_loss).
 RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z",
-            "loss_rise")
+            "loss_rise", "loss_divergence")
 MOE_RECORDED = ("moe_aux_loss", "router_z_loss", "moe_max_load", "moe_dropped_fraction")  # model.num_experts > 0
 
 

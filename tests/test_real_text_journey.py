@@ -84,7 +84,8 @@ def test_real_text_from_tokenizer_to_a_model_that_stops_at_end_of_text(tmp_path)
              if "eval_loss" in r]
     assert [s for s, _, _ in evals] == [50, 100, 150, 200]
     meta = json.loads((tmp_path / "data/eval/meta.json").read_text())
-    assert all(tokens == meta["num_tokens"] for _, _, tokens in evals), (evals, meta["num_tokens"])  # the whole set
+    # The whole set: every token is a target once, except each document's first (nothing precedes it).
+    assert all(tokens == meta["num_tokens"] - meta["num_documents"] for _, _, tokens in evals), (evals, meta)
     losses = [loss for _, loss, _ in evals]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.5, losses
 

@@ -82,7 +82,8 @@ class SpikeGuard:
                        loss_scale=values["loss_scale"], next_loss_scale=values["next_loss_scale"])
         if values["spike"]:
             self.event("spike", step, loss=values["loss"], grad_norm=values["grad_norm"], loss_z=values["loss_z"],
-                       loss_rise=values["loss_rise"], grad_norm_z=values["grad_norm_z"], skipped=values["skipped"], batch=batch)
+                       loss_rise=values["loss_rise"], loss_divergence=values["loss_divergence"],
+                       grad_norm_z=values["grad_norm_z"], skipped=values["skipped"], batch=batch)
             self._spikes.append((step, batch))
             self._run += 1
             if self._run >= s.rebaseline_after:  # the step has just restarted its statistics from this value

@@ -244,7 +244,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
                    "loss_scale": state["loss_scale"]["scale"], "next_loss_scale": new_state["loss_scale"]["scale"],
                    "skipped": skip, "nonfinite": ~finite, "spike": spike_flag, "loss_z": spike["loss_z"],
-                   "grad_norm_z": spike["grad_norm_z"], "loss_rise": spike["loss_rise"], "z_loss": z / denom,
+                   "grad_norm_z": spike["grad_norm_z"], "loss_rise": spike["loss_rise"],
+                   "loss_divergence": spike["loss_divergence"], "z_loss": z / denom,
                    "skipped_steps": new_state["stability"]["skipped_steps"], **moe_metrics}
         return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 

@@ -198,24 +198,32 @@ def test_z_loss_is_added_and_reported(tmp_path):
 # ----------------------------------------------------------------------------- spike statistics
 
 
-def reference_statistics(losses, grad_norms, *, window, min_history, threshold, rebaseline_after, min_rise):
-    """An independent numpy model of the step's spike logic with skip_spikes: per step the z-scores
-    against the median and MAD (sigma = 1.4826 MAD) of the last `window` accepted values, the spike
-    flag (the loss only: above `threshold` sigmas and `min_rise` of its median), whether the update
-    was skipped; and the accepted values held at the end."""
+def reference_statistics(losses, grad_norms, *, window, min_history, threshold, rebaseline_after, min_rise,
+                         divergence_rise, level_values=10):
+    """An independent numpy model of the step's spike logic with skip_spikes. Per step, over the last
+    `window` accepted values: the loss's level (median of the last `level_values`), its lowest level
+    (the smallest such median in the window), its noise (1.4826 x median |successive difference| /
+    sqrt 2); the loss's z against level and noise, the grad norm's z against its median and MAD; the
+    spike flag (z > threshold and rise > min_rise, or the rise over the lowest level > divergence_rise),
+    whether the update was skipped; and the accepted values held at the end."""
     history: list[tuple[float, float]] = []  # (loss, grad norm) of accepted steps since the last re-baseline
     run, out = 0, []
     for loss, gn in zip(losses, grad_norms):
         finite = np.isfinite(loss) and np.isfinite(gn)
         recent = np.array(history[-window:], np.float64).reshape(-1, 2)
         ready = len(history) >= min_history
-        z, rise = np.zeros(2), 0.0
+        z, rise, divergence = np.zeros(2), 0.0, 0.0
         if ready:
-            median = np.median(recent, axis=0)
-            sigma = np.maximum(1.4826 * np.median(np.abs(recent - median), axis=0), 1e-6)
-            z = (np.array([loss, gn]) - median) / sigma
-            rise = (loss - median[0]) / abs(median[0])
-        spike = bool(finite and ready and z[0] > threshold and rise > min_rise)
+            h = recent[:, 0]
+            level = np.median(h[-level_values:])
+            medians = [np.median(h[j - level_values:j]) for j in range(level_values, len(h) + 1)]
+            lowest = min(medians) if medians else level
+            noise = max(1.4826 * np.median(np.abs(np.diff(h))) / np.sqrt(2), 1e-6)
+            g = recent[:, 1]
+            g_sigma = max(1.4826 * np.median(np.abs(g - np.median(g))), 1e-6)
+            z = np.array([(loss - level) / noise, (gn - np.median(g)) / g_sigma])
+            rise, divergence = (loss - level) / abs(level), (loss - lowest) / abs(lowest)
+        spike = bool(finite and ready and ((z[0] > threshold and rise > min_rise) or divergence > divergence_rise))
         skipped = (not finite) or spike
         run = run + 1 if spike else (0 if finite else run)
         if run >= rebaseline_after:  # spikes in a row: the statistics restart from this value
@@ -226,28 +234,16 @@ def reference_statistics(losses, grad_norms, *, window, min_history, threshold, 
     return out, history[-window:]
 
 
-def test_spike_statistics_are_the_median_and_mad_of_the_last_window_accepted_values():
-    """The jitted statistics against numpy over a sequence with every kind of outlier: a spike (skipped,
-    so it never enters), a NaN, a loss far BELOW the rest (accepted: the test is one-sided, and it moves
-    the median by one rank only), a grad-norm spike, wrap-around of the window, and a level shift that
-    is re-baselined after 3 spikes in a row, and a loss ~6 sigmas up but only ~7% above its median
-    (no spike: below stability.min_rise). An EMA (the old statistics) gives other z-scores. The
-    grad-norm outlier is reported (its z-score) and flags nothing: a gradient-norm jump alone is
-    evidence, not a spike."""
+def statistics_against_reference(losses, grad_norms, *, W, M, threshold, K, R, D):
+    """Run the jitted statistics (what step.py does with them, skip_spikes on) over the sequence and
+    compare every step with `reference_statistics`: flags, z-scores, and the history held at the end.
+    Returns the reference's per-step output and the final statistics."""
     from jaxtrain.train.stability import init_statistics, spike_check, update_statistics
-    W, M, threshold, K, R = 8, 4, 4.0, 3, 0.1
     cfg = load_config(TINY, [f"stability.window={W}", f"stability.min_history={M}", "stability.skip_spikes=true",
-                             f"stability.min_rise={R}",
+                             f"stability.min_rise={R}", f"stability.divergence_rise={D}",
                              f"stability.spike_threshold={threshold}", f"stability.rebaseline_after={K}"])
-    rng = np.random.default_rng(0)
-    n = 48
-    losses = (3.0 - 0.01 * np.arange(n) + 0.02 * rng.standard_normal(n)).astype(np.float32)
-    grad_norms = (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32)
-    losses[10], losses[11], losses[18], grad_norms[14] = 50.0, np.nan, -20.0, 40.0
-    losses[25] += 0.25  # ~10 sigmas, but ~7% above its median: below min_rise=0.1, no spike
-    losses[34:] += 5.0  # a level shift: spikes at 34, 35, 36, then the statistics restart from there
 
-    def one(stats, loss, grad_norm):  # what step.py does with the statistics, skip_spikes on
+    def one(stats, loss, grad_norm):
         check = spike_check(cfg, stats, loss, grad_norm)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         spike = finite & check["spike"]
@@ -262,23 +258,58 @@ def test_spike_statistics_are_the_median_and_mad_of_the_last_window_accepted_val
         got.append(jax.device_get(flags))
         # Finite at every step, the buffer's empty slots included: a state with a NaN is never checkpointed.
         assert all(np.isfinite(np.asarray(v)).all() for v in stats.values()), len(got)
-    expected, held = reference_statistics(losses.astype(np.float64), grad_norms.astype(np.float64), window=W,
-                                          min_history=M, threshold=threshold, rebaseline_after=K,
-                                          min_rise=R)
+    expected, held = reference_statistics(np.float32(losses).astype(np.float64), np.float32(grad_norms).astype(np.float64),
+                                          window=W, min_history=M, threshold=threshold, rebaseline_after=K,
+                                          min_rise=R, divergence_rise=D)
     for i, ((loss_z, gn_z, spike, skip), (z, ref_spike, ref_skip)) in enumerate(zip(got, expected)):
         assert (bool(spike), bool(skip)) == (ref_spike, ref_skip), i
         if np.isfinite(losses[i]):
             np.testing.assert_allclose([loss_z, gn_z], z, rtol=1e-4, atol=1e-3, err_msg=f"step {i}")
-    # The outliers really were outliers, and the level shift really was re-baselined once.
-    assert [i for i, e in enumerate(expected) if e[1]] == [10, 34, 35, 36]
+    assert len(held) == min(W, int(stats["count"]))
+    np.testing.assert_array_equal(np.sort(np.asarray(stats["loss_history"])[:len(held)] if int(stats["count"]) < W
+                                          else np.asarray(stats["loss_history"])),
+                                  np.sort(np.float32([h[0] for h in held])))
+    assert int(stats["skipped_steps"]) == sum(e[2] for e in expected)
+    return expected, stats
+
+
+def test_spike_statistics_are_the_level_noise_and_lowest_level_of_the_last_window_accepted_values():
+    """The jitted statistics against numpy over a sequence with every kind of outlier: a spike (skipped,
+    so it never enters), a NaN, a loss far BELOW the rest (accepted: the test is one-sided, and it moves
+    a median by one rank only), a grad-norm outlier (reported, flags nothing: a gradient-norm jump
+    alone is evidence, not a spike), a loss ~6 noise sigmas up but only ~9% above its level (no
+    spike: below min_rise), wrap-around of the window, and a level shift re-baselined after 3 spikes in
+    a row. The old statistics (median and MAD of the whole window) give other z-scores."""
+    W, M, threshold, K, R, D = 16, 4, 4.0, 3, 0.1, 0.5
+    rng = np.random.default_rng(0)
+    n = 64
+    losses = (3.0 - 0.01 * np.arange(n) + 0.02 * rng.standard_normal(n)).astype(np.float32)
+    grad_norms = (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32)
+    losses[10], losses[11], losses[18], grad_norms[14] = 50.0, np.nan, -20.0, 40.0
+    losses[25] += 0.25  # ~6 noise sigmas, but ~9% above its level: below min_rise, no spike
+    losses[40:] += 5.0  # a level shift: spikes at 40, 41, 42, then the statistics restart from there
+    expected, stats = statistics_against_reference(losses, grad_norms, W=W, M=M, threshold=threshold, K=K, R=R, D=D)
+    assert [i for i, e in enumerate(expected) if e[1]] == [10, 40, 41, 42]
     assert expected[14][0][1] > 100 and expected[25][0][0] > threshold  # outliers both, spikes neither
     assert not expected[18][1] and not expected[18][2]  # a low loss is no spike (and enters the history)
-    assert not any(e[2] for e in expected[37:])  # after the re-baseline every step is applied again
-    loss_history = np.asarray(stats["loss_history"])
-    assert int(stats["count"]) == n - 36 and int(stats["spike_run"]) == 0  # values since the re-baseline at 36
-    assert len(held) == W  # the window is full again: it holds the last W values, in ring order
-    np.testing.assert_array_equal(np.sort(loss_history), np.sort(np.float32([h[0] for h in held])))
-    assert int(stats["skipped_steps"]) == sum(e[2] for e in expected)
+    assert not any(e[2] for e in expected[43:])  # after the re-baseline every step is applied again
+    assert int(stats["count"]) == n - 42 and int(stats["spike_run"]) == 0  # values since the re-baseline at 42
+
+
+def test_a_diverging_loss_is_a_spike_though_its_noise_hides_it_from_the_sigma_test():
+    """A loss that wobbles by +-0.5 (its noise ~1 nat a step) while its mean climbs from 3 to 5, as a
+    learning rate far too high makes it: no step is 4 noise sigmas above the level, but once the loss
+    is more than 50% above the lowest level of the window, each such step is a spike."""
+    W, M, threshold, K, R, D = 32, 8, 4.0, 100, 0.1, 0.5
+    n = 40
+    wobble = 0.5 * (-1.0) ** np.arange(n)
+    losses = (3.0 + np.where(np.arange(n) < 16, 0.0, 0.1 * (np.arange(n) - 16)) + wobble).astype(np.float32)
+    grad_norms = np.ones(n, np.float32)
+    expected, _ = statistics_against_reference(losses, grad_norms, W=W, M=M, threshold=threshold, K=K, R=R, D=D)
+    flagged = [i for i, e in enumerate(expected) if e[1]]
+    assert flagged and all(expected[i][0][0] < threshold for i in flagged), [(i, expected[i][0]) for i in flagged]
+    assert all(losses[i] > 1.5 * 2.5 for i in flagged)  # above the lowest level (2.5 + ...) by half
+    assert flagged[0] >= 16 and not any(e[1] for e in expected[:16])  # nothing while the mean was flat
 
 
 def test_a_level_shift_with_skip_spikes_is_rebaselined_and_training_goes_on(tmp_path):
