@@ -170,7 +170,7 @@ def _inspect(argv: list[str]) -> int:
     p.add_argument("--parameters", action="store_true", help="also list every parameter's sharding")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parse(p, argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, need_data=False)  # shapes only: an import's config too
     _start_jax(args.cpu_devices, cfg)
     from jaxtrain.observe.inspection import format_report, inspect_report
     report = inspect_report(cfg)

@@ -259,7 +259,7 @@ class StabilityConfig:
     """Spike detection in the step (jaxtrain/train/stability.py), automatic rollback on the host (rollback.py)."""
 
     guard: bool = True  # skip steps with non-finite gradients and keep spike statistics (false only to measure its cost)
-    window: int = 100  # accepted steps whose loss/grad norm the median and MAD span; also the window for max_spikes
+    window: int = 100  # accepted steps the spike statistics span (level, noise, lowest level); also the window for max_spikes
     spike_threshold: float = 6.0  # a spike: the loss this many noise sigmas above its current level (median of 10)...
     min_rise: float = 0.1  # ... and this fraction above it (the gradient norm is reported, never flags alone)
     divergence_rise: float = 0.5  # a loss this fraction above the window's lowest level is a spike whatever the noise
