@@ -68,6 +68,10 @@ def jaxtrain_train():
 # default tier makes, and costs >= ~15 s on 2 cores. With them the suite takes ~53 min on 2 cores
 # (1,053 tests, 2026-12-02), over CI's 40-min budget. A whole test, or one parametrized case.
 FULL_SUITE_ONLY = (
+    # spikes on real text: the default tier keeps lr 1e-3 and 3e-3 with warmup 100, 1e-2 with warmup 10
+    "tests/train/test_spikes_on_real_text.py::test_a_healthy_run_on_real_text_flags_no_spike[0.001-10]",
+    "tests/train/test_spikes_on_real_text.py::test_a_healthy_run_on_real_text_flags_no_spike[0.003-10]",
+    "tests/train/test_spikes_on_real_text.py::test_a_healthy_run_on_real_text_flags_no_spike[0.01-100]",
     # pipeline == unpipelined: the default tier keeps circular bf16 remat and GPipe fsdp x tensor accum
     "tests/parallel/test_pipeline.py::test_pipeline_matches_unpipelined[stage2_fsdp2_tensor2_circular_accum2_unfolded",
     "tests/parallel/test_pipeline.py::test_pipeline_matches_unpipelined[stage2_data4_circular_m3_accum3]",

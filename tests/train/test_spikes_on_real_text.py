@@ -23,7 +23,7 @@ from jaxtrain.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/tiny.yaml"
-STEPS = 160
+STEPS = 130  # warmup 100 and 30 steps after it
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,9 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.mark.parametrize("learning_rate", [1e-3, 3e-3, 1e-2])
 def test_a_healthy_run_on_real_text_flags_no_spike(corpus, tmp_path, learning_rate, warmup):
     """Three learning rates x two warmups, every step read: no spike, no skipped step, and the run
-    is healthy (the loss fell by more than a nat). The gradient norm's own z-score does climb above
-    the threshold in these runs (what the old detector flagged), and must not flag."""
+    is healthy (the loss fell by more than a nat). With the long warmup the gradient norm's own
+    z-score climbs above the threshold (6.0-7.3 measured): what the old detector flagged as spikes,
+    and what must not flag. (The default tier runs three of the six: tests/conftest.py.)"""
     cfg = real_config(corpus, tmp_path, f"optim.learning_rate={learning_rate}", f"optim.warmup_steps={warmup}")
     t = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
     try:
@@ -60,6 +61,8 @@ def test_a_healthy_run_on_real_text_flags_no_spike(corpus, tmp_path, learning_ra
     losses = np.array([r["loss"] for r in records])
     assert losses[-10:].mean() < losses[:10].mean() - 1.0, (losses[:10].mean(), losses[-10:].mean())
     assert max(r["loss_z"] for r in records) < cfg.stability.spike_threshold
+    if warmup == 100:  # the long warmup's gradient-norm growth: what the old detector took for spikes
+        assert max(r["grad_norm_z"] for r in records) > cfg.stability.spike_threshold
 
 
 def test_spike_drill_and_corrupted_batch_are_caught_and_rolled_back_with_defaults(corpus, tmp_path):
