@@ -168,3 +168,25 @@ def test_throughput_divides_the_time_between_log_points_by_the_steps(monkeypatch
     assert r["tflops_per_device"] == 1.0 and r["mfu"] == 1.0
     t.exclude(13)  # 0.5 s of evaluation is not step time
     assert t.record(14, tokens=100.0)["step_time_s"] == 4.0
+
+
+def test_a_whole_set_evaluation_tells_the_watchdog_as_each_batch_is_read(tmp_path):
+    """A whole-set evaluation runs between two steps and may outlast fault.hang_timeout_s on a large
+    set: it is progress, not a hang. The loop wires the evaluator to the watchdog's `progress`, which
+    restarts the current phase's deadline; every batch read back calls it (6 batches x 2 evaluations)."""
+    cfg = eval_run_cfg(tmp_path, "train.steps=2", "train.log_every=1", "train.eval_every=1")
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    try:
+        assert trainer.evaluator.on_progress == trainer.watchdog.progress
+        calls: list[float] = []
+
+        def progress() -> None:
+            before = trainer.watchdog._since
+            trainer.watchdog.progress()
+            calls.append(trainer.watchdog._since - before)
+
+        trainer.evaluator.on_progress = progress
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert len(calls) == 2 * 6 and all(d > 0 for d in calls), calls

@@ -563,3 +563,13 @@ def test_bad_numerics_key_exits_2_through_the_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY),
                         f"run.output_dir={tmp_path / 'r'}", "stability.window=0"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_min_history_follows_the_window_unless_set():
+    """`stability.window=10` alone is accepted (min_history, unset, follows it: min(20, window));
+    a min_history the user sets is checked against the window as before."""
+    assert load_config(TINY, ["stability.window=10"]).stability.history_needed == 10
+    assert load_config(TINY, []).stability.history_needed == 20
+    assert load_config(TINY, ["stability.min_history=5"]).stability.history_needed == 5
+    with pytest.raises(ConfigError, match="stability.min_history"):
+        load_config(TINY, ["stability.window=10", "stability.min_history=20"])
