@@ -80,7 +80,9 @@ class Console:
                  f"attention {d['attention']}" if d.get("attention") else None,
                  f"compiled in {d['compile_s']:.1f} s" if d.get("compile_s") is not None else None,
                  f"steps {step} -> {self.total_steps}" if self.total_steps is not None else f"from step {step}",
-                 f"resumed from step {step}" if step > 0 else None]
+                 f"resumed from step {step}" if step > 0 else None,
+                 # the synthetic chain's known floor: where a healthy run's loss ends (configs/tiny.yaml)
+                 f"loss floor {d['entropy_floor']:.3f} (the Markov chain's entropy)" if d.get("entropy_floor") else None]
         return "[start] " + ", ".join(p for p in parts if p)
 
     def _format_resume(self, step: int, d: dict[str, Any]) -> str:

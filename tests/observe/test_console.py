@@ -61,6 +61,7 @@ def test_start_line_is_short_and_events_keep_every_detail(tmp_path):
     assert len(line) < 200, line
     assert line.startswith("[start] 647,488 params, 1 device (mesh data=1)"), line
     assert "compiled in 5.5 s" in line and "steps 0 -> 300" in line and "resumed" not in line, line
+    assert "loss floor 1.120" in line  # the Markov demo's target, once in the line a person reads
     [event] = read_log(tmp_path, "events.jsonl")
     assert {k: event[k] for k in START} == START  # nothing left out of the log
 
