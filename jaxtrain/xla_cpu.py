@@ -59,12 +59,33 @@ def _jaxlib_checked() -> bool:
     return CHECKED_JAXLIB[0] <= (major, minor) <= CHECKED_JAXLIB[1]
 
 
-def cpu_xla_flags() -> list[str]:
+# YNNPACK's elementwise fusions reject operands in a non-default layout ("Instruction with unsupported
+# layout in YNN fusion", at run time). XLA:CPU lays out an all-gather (and its operand) with the gathered
+# dimension outermost, and sequence parallelism all-gathers the residual stream (and, in the backward
+# pass, its cotangent) along length before each block's projections: the fusion that produces it, e.g.
+# RMSNorm's backward, then gets that layout (2026-12, jaxlib 0.10.2, Intel Xeon AVX-512; tensor 2 x data 4
+# and context 2 x tensor 2 x data 2). No sharding constraint in the model avoids those gathers (they are
+# what sequence parallelism is), so such configs keep YNNPACK for dots and reductions only.
+YNN_FUSIONS_NO_ELTWISE = "--xla_cpu_experimental_ynn_fusion_type=dot,reduce"
+
+
+def shards_length_over_tensor(cfg) -> bool:
+    """Whether `cfg` (a jaxtrain Config) splits activations' length over a `tensor` axis (sequence
+    parallelism, `mesh.rules: {act_length: [context, tensor]}`); read before JAX starts."""
+    if cfg is None or cfg.mesh.tensor == 1:
+        return False
+    targets = [cfg.mesh.rules.get(name) for name in ("act_length", "length")]
+    return any("tensor" in (t if isinstance(t, list) else [t]) for t in targets)
+
+
+def cpu_xla_flags(cfg=None) -> list[str]:
     """The recommended XLA flags for this CPU (to be set before JAX starts); none for a jaxlib
-    these flags were not checked with."""
+    these flags were not checked with. With `cfg`, flags that config can run with (see
+    YNN_FUSIONS_NO_ELTWISE)."""
     if not _jaxlib_checked():
         return []
-    return [YNN_FUSIONS] + ([VECTOR_512] if has_avx512() else [])
+    ynn = YNN_FUSIONS_NO_ELTWISE if shards_length_over_tensor(cfg) else YNN_FUSIONS
+    return [ynn] + ([VECTOR_512] if has_avx512() else [])
 
 
 # YNNPACK's elementwise and reduce fusions cost memory: the buffers of its fusions are not shared the

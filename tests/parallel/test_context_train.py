@@ -165,3 +165,24 @@ def test_jaxtrain_train_runs_context_parallel_with_its_own_cpu_flags(tmp_path, j
     assert set(cpu_xla_flags()) <= set(start["xla_flags"])  # the flags users get (none for an unchecked jaxlib)
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+
+
+def test_jaxtrain_train_runs_sequence_parallel_with_its_own_cpu_flags(tmp_path, jaxtrain_train):
+    """Sequence parallelism (the residual stream's length over [context, tensor]) through `jaxtrain
+    train` and its CPU flags: with YNNPACK's elementwise fusions on it failed at its first step ("Instruction
+    with unsupported layout in YNN fusion", RMSNorm's backward and rotary's angles): its all-gathers along
+    length are laid out length-major and pass that layout to the fusions that feed them. The CLI keeps
+    YNNPACK for dots and reductions for such configs (jaxtrain/xla_cpu.py)."""
+    from jaxtrain.xla_cpu import YNN_FUSIONS, YNN_FUSIONS_NO_ELTWISE
+    out = tmp_path / "run"
+    r = jaxtrain_train("--config", str(REPO / "configs/tiny.yaml"), "--cpu-devices", "8", "data.seq_len=512",
+                       "model.max_seq_len=512", "mesh.context=2", "mesh.tensor=2", "mesh.data=2", SEQUENCE_PARALLEL,
+                       "train.steps=3", "train.log_every=1", "checkpoint.save_at_end=false", f"run.output_dir={out}",
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    start = json.loads((out / "events.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "start" and start["context"]["size"] == 2
+    if cpu_xla_flags():  # a checked jaxlib: the flags without the elementwise fusions, recorded
+        assert YNN_FUSIONS_NO_ELTWISE in start["xla_flags"] and YNN_FUSIONS not in start["xla_flags"]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
