@@ -19,9 +19,9 @@ from pathlib import Path
 
 import jax
 
-from kernels import attention_flops, attention_training_flops, mha_reference
-from kernels.pallas_attention import pallas_flash_attention
-from kernels.testing import random_inputs, relative_error, time_call
+from jaxtrain.kernels import attention_flops, attention_training_flops, mha_reference
+from jaxtrain.kernels.pallas_attention import pallas_flash_attention
+from jaxtrain.kernels.testing import random_inputs, relative_error, time_call
 
 CHECK_SCRIPT = Path(__file__).resolve().parents[1] / "tpu_gpu_setup" / "gpu" / "check_attention.py"
 

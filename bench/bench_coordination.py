@@ -3,7 +3,7 @@
   python bench/bench_coordination.py [--processes 8 64 256 1000] [--json]
 
 No machine here has 1,000 hosts: each process is a thread running the real jaxtrain function
-against an in-memory fake coordination service that counts every call (`jaxtrain/fault/coordination.py`;
+against an in-memory fake coordination service that counts every call (`tests/coordination_stand_in.py`;
 no JAX devices). Per operation, over all processes: coordinator calls (RPCs) and bytes, the most any
 one process made, the keys it left in the store, the barrier ids it made, and for preflight the
 programs each process compiles. A mechanism that is fine at P = 2 and O(P^2) at P = 1,000 shows as
@@ -17,8 +17,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from jaxtrain.fault.coordination import Measurement, measure_all, simulate  # noqa: E402
+from coordination_stand_in import Measurement, measure_all, simulate  # noqa: E402  (tests/)
 
 COLUMNS = [("operation", 50), ("processes", 5), ("rpcs_total", 10), ("rpcs_max_per_process", 8),
            ("bytes_max_per_process", 10), ("keys_left", 6), ("barriers", 4), ("programs_compiled", 8),

@@ -30,8 +30,6 @@ def train_parser(prog: str = "jaxtrain train") -> Parser:
     """The parser of `jaxtrain train`."""
     p = Parser(prog=prog, description="Train (one process per host); resumes from the run directory.")
     add_run_arguments(p)
-    p.add_argument("--progress", action="store_true",
-                   help="kept for compatibility: progress lines are printed whether or not stdout is a terminal")
     return p
 
 

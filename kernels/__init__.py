@@ -1,6 +1,6 @@
 """Fused attention kernels behind one entry point, `flash_attention`.
 
-    from kernels import flash_attention
+    from jaxtrain.kernels import flash_attention
     out = flash_attention(q, k, v, causal=True, segment_ids=None, implementation="auto")
 
 Implementations: 'xla' (plain jnp reference, kernels/reference.py), 'pallas' (Pallas kernels,
@@ -8,13 +8,16 @@ kernels/pallas_attention.py; TPU, and CPU in interpret mode), 'triton' (Triton k
 jax-triton, kernels/triton_attention.py; NVIDIA GPU), 'cudnn' (kernels/cudnn_attention.py; NVIDIA
 GPU), 'auto' (best available for the platform). See docs/kernels.md.
 
-This package depends on nothing in `jaxtrain/`; the model calls into it. Kernel modules are
-imported on first use, so `import kernels` needs neither triton nor jax-triton.
+The folder sits at the repository's top (kernels/) but installs as `jaxtrain.kernels`
+(pyproject.toml's package-dir): a bare `kernels` is Hugging Face's package, which transformers
+imports. Inside the package every import is relative; it depends on nothing else in `jaxtrain/`,
+and the model calls into it. Kernel modules are imported on first use, so `import
+jaxtrain.kernels` needs neither triton nor jax-triton.
 """
 
 from __future__ import annotations
 
-from kernels.attention import (
+from .attention import (
     AUTO_GPU_IMPLEMENTATION,
     BACKWARD_FLOPS_FACTOR,
     BLOCK_IMPLEMENTATIONS,
@@ -27,8 +30,8 @@ from kernels.attention import (
     flash_attention,
     resolve_implementation,
 )
-from kernels.common import BlockSizes
-from kernels.reference import mha_reference
+from .common import BlockSizes
+from .reference import mha_reference
 
 __all__ = [
     "AUTO_GPU_IMPLEMENTATION",

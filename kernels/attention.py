@@ -10,8 +10,8 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from kernels.common import BlockSizes, check_attention_inputs
-from kernels.reference import mha_reference
+from .common import BlockSizes, check_attention_inputs
+from .reference import mha_reference
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "triton", "cudnn")
 
@@ -117,7 +117,7 @@ def resolve_implementation(name: str, platform: str | None = None, dtype=None,
         elif name in ("triton", "cudnn"):
             hint = " (needs an NVIDIA GPU)"
         elif name == "pallas" and platform == "gpu":
-            hint = " (the Pallas kernels target TPU; see kernels.attention.PALLAS_ON_GPU)"
+            hint = " (the Pallas kernels target TPU; see jaxtrain.kernels.attention.PALLAS_ON_GPU)"
         raise ValueError(
             f"attention implementation {name!r} is not available on platform {platform!r}{hint}; "
             f"available: {', '.join(('auto',) + available)}"
@@ -164,14 +164,14 @@ def flash_attention(
     if name == "xla":
         return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
     if name == "pallas":
-        from kernels.pallas_attention import pallas_flash_attention
+        from .pallas_attention import pallas_flash_attention
 
         return pallas_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes)
     if name == "triton":
-        from kernels.triton_attention import triton_flash_attention
+        from .triton_attention import triton_flash_attention
 
         return triton_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes)
-    from kernels.cudnn_attention import cudnn_flash_attention
+    from .cudnn_attention import cudnn_flash_attention
 
     return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
@@ -185,11 +185,11 @@ def attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=N
     exactly. Not differentiable by itself: its backward is `attention_block_bwd`. `implementation`:
     a concrete one of BLOCK_IMPLEMENTATIONS."""
     if implementation == "xla":
-        from kernels.reference import attention_block as block
+        from .reference import attention_block as block
     elif implementation == "pallas":
-        from kernels.pallas_attention import pallas_attention_block as block
+        from .pallas_attention import pallas_attention_block as block
     elif implementation == "triton":
-        from kernels.triton_attention import triton_attention_block as block
+        from .triton_attention import triton_attention_block as block
     else:
         raise ValueError(f"attention implementation {implementation!r} has no blockwise form; "
                          f"choose from {', '.join(BLOCK_IMPLEMENTATIONS)}")
@@ -200,11 +200,11 @@ def attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids=None, 
                         implementation: str = "xla"):
     """(dq, dk, dv) fp32 of one block, given the combined output o, its lse over all blocks and dO."""
     if implementation == "xla":
-        from kernels.reference import attention_block_bwd as bwd
+        from .reference import attention_block_bwd as bwd
     elif implementation == "pallas":
-        from kernels.pallas_attention import pallas_attention_block_bwd as bwd
+        from .pallas_attention import pallas_attention_block_bwd as bwd
     elif implementation == "triton":
-        from kernels.triton_attention import triton_attention_block_bwd as bwd
+        from .triton_attention import triton_attention_block_bwd as bwd
     else:
         raise ValueError(f"attention implementation {implementation!r} has no blockwise form; "
                          f"choose from {', '.join(BLOCK_IMPLEMENTATIONS)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 
-from kernels.common import check_attention_inputs
+from .common import check_attention_inputs
 
 
 def cudnn_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
+from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=128)
 

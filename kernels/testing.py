@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.reference import mha_reference
+from .reference import mha_reference
 
 # Tolerances of the issue, on relative_error below.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from kernels.common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
+from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
 
 # Globals read inside @triton.jit must be constexpr.
 _MASK = tl.constexpr(MASK_VALUE)

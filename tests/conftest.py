@@ -7,6 +7,12 @@ import tempfile
 # Tests live in one folder per part of the system (tests/fault/, tests/parallel/, ...); the
 # helpers they share (trees.py, storage_servers.py, independent_attention.py) stay here.
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+# The repository root off sys.path (`python -m pytest` from it puts it there): its kernels/ folder
+# installs as `jaxtrain.kernels`, and from the root it would also import as a top-level `kernels`,
+# ahead of Hugging Face's `kernels` package that transformers >= 5.25 imports. The tests import
+# jaxtrain from its install (editable or not), so they never need the root itself.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # The measured matmul peak is cached per machine (env.peak_cache_file): tests keep theirs apart from

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator
+
+from helpers import free_port
 
 # The credentials handed to the clients. The servers check none of them; they are distinctive so
 # that a test can scan everything a run writes (objects, local files, stderr) for each of them.
@@ -50,12 +51,6 @@ objects.download = download  # before the server module builds its routing table
 from gcp_storage_emulator.__main__ import main
 main(sys.argv[1:])
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:

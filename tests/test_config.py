@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, TINY
 
 from jaxtrain.config import ConfigError, MeshConfig, all_keys, load_config
 
-REPO = Path(__file__).resolve().parents[1]
 
 # DESIGN §4: these names are fixed. Renaming or dropping one breaks users, tests and benchmarks.
 FIXED_KEYS = {
@@ -57,7 +57,7 @@ def test_every_shipped_config_loads():
 
 
 def test_overrides_and_types():
-    cfg = load_config(REPO / "configs/tiny.yaml", ["train.steps=7", "optim.learning_rate=1e-3", "mesh.rules={batch: data}"])
+    cfg = load_config(TINY, ["train.steps=7", "optim.learning_rate=1e-3", "mesh.rules={batch: data}"])
     assert cfg.train.steps == 7 and cfg.optim.learning_rate == 1e-3
     # A partial rules table overrides its entries and keeps the other defaults.
     assert cfg.mesh.rules == {**MeshConfig().rules, "batch": "data"}
@@ -82,7 +82,7 @@ def test_overrides_and_types():
 ])
 def test_phase1_errors_name_the_problem(overrides, message):
     with pytest.raises(ConfigError) as e:
-        load_config(REPO / "configs/tiny.yaml", overrides)
+        load_config(TINY, overrides)
     assert message in str(e.value)
 
 
@@ -109,7 +109,7 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 ])
 def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"
-    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={out}", *overrides,
+    result = jaxtrain("train", "--config", TINY, f"run.output_dir={out}", *overrides,
                       "--cpu-devices", "8", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr, result.stderr
@@ -125,7 +125,7 @@ def test_missing_config_file_exits_2(tmp_path):
 
 def test_overrides_may_stand_before_and_after_flags(tmp_path):
     out = tmp_path / "run"
-    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), "train.steps=2", "--cpu-devices", "2",
+    result = jaxtrain("train", "--config", TINY, "train.steps=2", "--cpu-devices", "2",
                       f"run.output_dir={out}", "mesh.data=2", "train.log_every=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert load_config(out / "config.yaml").mesh.data == 2
@@ -140,7 +140,7 @@ def test_overrides_may_stand_before_and_after_flags(tmp_path):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, message):
-    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={tmp_path / 'r'}",
+    result = jaxtrain("train", "--config", TINY, f"run.output_dir={tmp_path / 'r'}",
                       *args, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
@@ -149,7 +149,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, args, message):
 def test_output_dir_naming_a_file_exits_2_and_leaves_it_alone(tmp_path):
     path = tmp_path / "not_a_dir"
     path.write_text("precious")
-    result = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={path}",
+    result = jaxtrain("train", "--config", TINY, f"run.output_dir={path}",
                       "--cpu-devices", "1", cwd=tmp_path)
     assert result.returncode == 2 and "is an existing file, not a directory" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and path.read_text() == "precious"
@@ -190,13 +190,13 @@ def test_cpu_runs_get_the_fast_xla_cpu_flags_unless_the_user_set_them(monkeypatc
 ])
 def test_settings_that_would_be_silently_ignored_are_refused(overrides, message):
     with pytest.raises(ConfigError) as e:
-        load_config(REPO / "configs/tiny.yaml", overrides)
+        load_config(TINY, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_refused_setting_is_one_line_exit_2_and_nothing_written(tmp_path):
     run = tmp_path / "run"
-    r = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), "checkpoint.keep_last=0",
+    r = jaxtrain("train", "--config", TINY, "checkpoint.keep_last=0",
                  f"run.output_dir={run}", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "checkpoint.keep_last=0" in r.stderr and not run.exists()
@@ -204,7 +204,7 @@ def test_a_refused_setting_is_one_line_exit_2_and_nothing_written(tmp_path):
 
 def test_chaos_raise_process_must_name_a_process_of_the_job():
     from jaxtrain.parallel.mesh import validate_against_devices
-    cfg = load_config(REPO / "configs/tiny.yaml", ["chaos.raise_at_step=3", "chaos.raise_process=1"])
+    cfg = load_config(TINY, ["chaos.raise_at_step=3", "chaos.raise_process=1"])
     with pytest.raises(ConfigError, match="chaos.raise_process=1 names no process of this job"):
         validate_against_devices(cfg, 1, 1)
 
@@ -220,10 +220,10 @@ def test_chaos_raise_process_must_name_a_process_of_the_job():
 ])
 def test_bad_context_sizes_are_one_clear_line_exit_2(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as e:  # phase 1 already: no devices needed to see these
-        load_config(REPO / "configs/tiny.yaml", overrides)
+        load_config(TINY, overrides)
     assert message in str(e.value)
     out = tmp_path / "run"
-    r = jaxtrain("train", "--config", str(REPO / "configs/tiny.yaml"), f"run.output_dir={out}", *overrides,
+    r = jaxtrain("train", "--config", TINY, f"run.output_dir={out}", *overrides,
                  "--cpu-devices", "2", cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().count("\n") == 0 and not out.exists(), r.stderr
@@ -273,7 +273,7 @@ def test_a_mesh_config_built_in_python_gets_a_config_error_not_a_crash():
 ])
 def test_unknown_key_suggests_what_was_meant(typed, meant):
     with pytest.raises(ConfigError) as e:
-        load_config(REPO / "configs/tiny.yaml", [f"{typed}=1"])
+        load_config(TINY, [f"{typed}=1"])
     assert f"unknown config key '{typed}'; did you mean '{meant}'?" in str(e.value)
 
 

@@ -6,16 +6,20 @@ Layers, from the entry points down (README "Where things live", DESIGN §3):
     loop          trainer
     capabilities  fault/ observe/ train/ checkpoint/ data/ hf/   (may use each other, without cycles)
     core          model/ parallel/                  (model may use parallel, never the reverse)
-    base          config, arguments, exit_codes, env, xla_cpu, host_malloc
+    base          config, arguments, exit_codes, env, xla_cpu, host_malloc, numerics
 
-`kernels/` stands apart: the model calls into it and it imports nothing from `jaxtrain`. Every
-import counts, also the ones inside functions (a lazy import is still a dependency). The graph is
+`kernels/` stands apart: a top-level folder installed as `jaxtrain.kernels` (pyproject.toml's
+package-dir; a bare `kernels` is Hugging Face's package), the model calls into it and it imports
+nothing else from `jaxtrain`. Every import counts, also the ones inside functions (a lazy import is still a dependency). The graph is
 read from the source with `ast`, so nothing is imported to test it.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,14 +30,15 @@ RANK = {"cli": 5, "launch": 5, "trainer": 4,
         "fault": 3, "observe": 3, "train": 3, "checkpoint": 3, "data": 3, "hf": 3,
         "model": 2, "parallel": 2,
         "config": 1, "arguments": 1, "exit_codes": 1, "env": 1, "xla_cpu": 1,
-        "host_malloc": 1}
+        "host_malloc": 1, "numerics": 1}
 
 
-def modules(package: str) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of `package` (packages by their __init__)."""
+def modules(folder: str, package: str | None = None) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under the top-level `folder`, imported as
+    `package` (default: the folder's name; kernels/ is `jaxtrain.kernels`), packages by their __init__."""
     out = {}
-    for path in sorted((REPO / package).rglob("*.py")):
-        parts = path.relative_to(REPO).with_suffix("").parts
+    for path in sorted((REPO / folder).rglob("*.py")):
+        parts = (package or folder).split(".") + list(path.relative_to(REPO / folder).with_suffix("").parts)
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
@@ -67,15 +72,15 @@ def imports(path: Path, name: str, known: set[str]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     """Module -> the modules it imports. Edges into the `jaxtrain` facade (`__version__`) are left
     out: importing any submodule runs the facade first anyway, and it imports the rest lazily."""
-    mods = {**modules("jaxtrain"), **modules("kernels")}
+    mods = {**modules("jaxtrain"), **modules("kernels", "jaxtrain.kernels")}
     known = set(mods)
     return {name: imports(path, name, known) - {"jaxtrain"} for name, path in mods.items()}
 
 
 def wing(module: str) -> str:
-    """`jaxtrain.fault.watchdog` -> `fault`; `jaxtrain.cli` -> `cli`; `kernels.x` -> `kernels`."""
+    """`jaxtrain.fault.watchdog` -> `fault`; `jaxtrain.cli` -> `cli`; `jaxtrain.kernels.x` -> `kernels`."""
     parts = module.split(".")
-    return "kernels" if parts[0] == "kernels" else parts[1] if len(parts) > 1 else "jaxtrain"
+    return parts[1] if len(parts) > 1 else "jaxtrain"
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -118,7 +123,8 @@ def test_the_graph_is_read(edges):
     """The walker sees real edges (a broken walker would pass every test below)."""
     assert "jaxtrain.parallel.sharding" in edges["jaxtrain.model.llama"]
     assert "jaxtrain.fault.watchdog" in edges["jaxtrain.trainer"]
-    assert "kernels" in edges["jaxtrain.model.attention"]
+    assert "jaxtrain.kernels" in edges["jaxtrain.model.attention"]
+    assert "jaxtrain.kernels.common" in edges["jaxtrain.kernels.attention"]  # a relative import
     assert len(edges) > 60
 
 
@@ -159,7 +165,41 @@ def test_nothing_below_the_entry_points_imports_the_launcher(edges):
 
 def test_kernels_import_nothing_from_jaxtrain(edges):
     assert sorted(f"{s} -> {t}" for s, ts in edges.items() if wing(s) == "kernels"
-                  for t in ts if t.startswith("jaxtrain")) == []
+                  for t in ts if wing(t) != "kernels") == []
+
+
+def test_nothing_imports_a_bare_kernels():
+    """`kernels` is Hugging Face's package (transformers imports it): ours is `jaxtrain.kernels`."""
+    bare = []
+    for folder in ("jaxtrain", "kernels", "tests", "bench", "tpu_gpu_setup", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                bare += [f"{path.relative_to(REPO)}:{node.lineno}" for n in names if n.split(".")[0] == "kernels"]
+    assert bare == []
+
+
+def test_the_install_maps_kernels_into_jaxtrain():
+    """pyproject.toml lists the packages (a mapped one is beyond `packages.find`): every package
+    folder of jaxtrain/, and kernels/ as `jaxtrain.kernels`, never as a top-level `kernels`."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "jaxtrain").rglob("__init__.py")}
+    assert sorted(tool["packages"]) == sorted(folders | {"jaxtrain.kernels"})
+    assert tool["package-dir"] == {"jaxtrain.kernels": "kernels"}
+
+
+def test_kernels_import_from_an_uninstalled_checkout(tmp_path):
+    """The repository on sys.path, no install (the offline GPU check): `jaxtrain.kernels` is still
+    kernels/, found by jaxtrain's own fallback finder. `-S`: no site-packages .pth files, so no
+    editable install's finder; the installed libraries are put on the path by hand."""
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}]; sys.path += {site!r}; "
+            "import jaxtrain.kernels as k, jaxtrain.kernels.reference; print(k.__file__); "
+            "assert 'kernels' not in sys.modules")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(REPO / "kernels" / "__init__.py")
 
 
 def test_every_module_is_in_a_layer(edges):
@@ -168,7 +208,7 @@ def test_every_module_is_in_a_layer(edges):
 
 
 def test_every_module_says_what_it_owns():
-    missing = [str(p.relative_to(REPO)) for name, p in {**modules("jaxtrain"), **modules("kernels")}.items()
+    missing = [str(p.relative_to(REPO)) for name, p in {**modules("jaxtrain"), **modules("kernels", "jaxtrain.kernels")}.items()
                if not ast.get_docstring(ast.parse(p.read_text()))]
     assert missing == []
 

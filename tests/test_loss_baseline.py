@@ -17,18 +17,18 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from helpers import TINY
 
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
 BASELINE = Path(__file__).parent / "baselines" / "tiny_losses.json"
 STEPS = 50
 TOLERANCE = 1e-4  # relative, per step (jax 0.10 and 0.12 agree to 2e-7)
 
 
 def tiny_losses() -> list[float]:
-    cfg = load_config(REPO / "configs/tiny.yaml", [f"train.steps={STEPS}", "checkpoint.compilation_cache_dir=null"])
+    cfg = load_config(TINY, [f"train.steps={STEPS}", "checkpoint.compilation_cache_dir=null"])
     trainer = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
     losses = [trainer.step()["loss"] for _ in range(STEPS)]
     trainer.close()

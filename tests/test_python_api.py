@@ -8,17 +8,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
+from helpers import REPO, TINY
 from trees import assert_trees_equal
 
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs/tiny.yaml"
 
 
 def readme_python_blocks() -> list[str]:

@@ -19,10 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY, read_jsonl
 from real_text import EOT, stdlib_sources, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs/tiny.yaml"
 VOCAB = 1024
 
 
@@ -49,10 +48,6 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=env, timeout=900)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_real_text_from_tokenizer_to_a_model_that_stops_at_end_of_text(tmp_path):
     torch = pytest.importorskip("torch")
@@ -72,7 +67,7 @@ def test_real_text_from_tokenizer_to_a_model_that_stops_at_end_of_text(tmp_path)
                         "--tokenizer", "tokenizer.json", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
 
-    run = jaxtrain("train", "--config", str(TINY), "run.output_dir=run", "data.source=tokens", "data.path=data/train",
+    run = jaxtrain("train", "--config", TINY, "run.output_dir=run", "data.source=tokens", "data.path=data/train",
                    "data.eval=data/eval", f"model.vocab_size={VOCAB}", "data.seq_len=128", "model.max_seq_len=128",
                    "train.steps=400", "train.eval_every=100", "checkpoint.every_steps=10", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,22 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import REPO, TINY, read_jsonl
 
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs/tiny.yaml"
 MOE_TINY = REPO / "configs/moe-tiny.yaml"
 
 
 def jaxtrain(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("config", [TINY, MOE_TINY], ids=["tiny", "moe-tiny"])

@@ -27,7 +27,7 @@ import torch  # noqa: E402  (a missing one is a failure, not a skip)
 import triton  # noqa: E402,F401  (imported for its presence: the interpreter needs it)
 
 # Reload in case something imported the module before TRITON_INTERPRET was set.
-triton_attention = importlib.reload(importlib.import_module("kernels.triton_attention"))
+triton_attention = importlib.reload(importlib.import_module("jaxtrain.kernels.triton_attention"))
 
 # The interpreter patches triton.language for the duration of a launch: two launches at once (the
 # callbacks of several simulated devices run on their own threads) break each other.

@@ -25,7 +25,7 @@ class BarrierTimeoutError(TimeoutError):
     """Some processes did not reach a host-level barrier in time; the message names them."""
 
 
-_local = threading.local()  # per-thread client override: the simulated-scale harness (fault/coordination.py)
+_local = threading.local()  # per-thread client override: the simulated-scale harness (tests/coordination_stand_in.py)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Which process pairs the preflight link check exchanges, in which rounds, and what their timings say.
 
 Pure Python, no JAX: `jaxtrain/fault/preflight.py` runs the plan on the devices, the
-simulated-scale harness (`coordination.py`) counts it at P = 1,000, and the tests feed the verdict
+simulated-scale harness (`tests/coordination_stand_in.py`) counts it at P = 1,000, and the tests feed the verdict
 synthetic timings.
 
 The plan: rounds of disjoint pairs (each a matching of the processes), one compiled program each.

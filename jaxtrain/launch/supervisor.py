@@ -52,7 +52,6 @@ from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
 from jaxtrain.launch.policy import (Attempt, Done, Exit, GiveUp, History, Isolate, Limits, Stop, attempt_steps, decide,
                                     exit_after_signal, made_progress)
-from jaxtrain.launch.recovery_cli import print_blame, print_shrink
 from jaxtrain.launch.runfiles import count_events, last_known_step, read_events
 from jaxtrain.launch.train_command import child_command, split_train_argv
 from jaxtrain.observe.runlog import append_event
@@ -432,14 +431,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default 0: never)")
     parser.add_argument("--devices-per-process", type=int, default=None, metavar="N",
                         help="devices each process drives, for planning an isolation (default: --cpu-devices)")
-    parser.add_argument("--print-shrink", action="store_true",
-                        help="kept for compatibility, as `jaxtrain recovery shrink`: print the overrides that "
-                             "continue this job on one process fewer, and exit (exit 1 with the reason when there "
-                             "are none)")
-    parser.add_argument("--print-blame", type=float, default=None, metavar="T",
-                        help="kept for compatibility, as `jaxtrain recovery blame --since T`: print the process "
-                             "that the run's events since UNIX time T blame for an exit 75, and exit (exit 1 when "
-                             "they blame no single process)")
     return parser
 
 
@@ -449,8 +440,7 @@ def main(argv: list[str]) -> int:
     Args:
       argv: the arguments after `launch`.
     Returns:
-      The exit code (see Supervisor.run); with --print-shrink 0 (overrides printed) or 1 (none exist);
-      with --print-blame 0 (a process index printed) or 1 (nobody blamed).
+      The exit code (see Supervisor.run).
     Raises:
       ConfigError: bad options or config (the CLI prints it and exits 2).
     """
@@ -462,17 +452,13 @@ def main(argv: list[str]) -> int:
     if not train_argv:
         raise ConfigError("expected `jaxtrain launch [options] -- train --config PATH [key=value ...]`")
     train = child_command(train_argv, args.cpu_devices)
-    if args.print_blame is not None:
-        return print_blame(train.cfg.run.output_dir, args.print_blame, "jaxtrain launch")
     devices = args.devices_per_process if args.devices_per_process is not None else train.cpu_devices
     if devices is not None and devices < 1:
         raise ConfigError(f"--devices-per-process must be at least 1, got {devices}")
-    if (args.isolate_after or args.print_shrink) and devices is None:
-        raise ConfigError("--isolate-after and --print-shrink need the devices of each process to shrink the mesh: "
+    if args.isolate_after and devices is None:
+        raise ConfigError("--isolate-after needs the devices of each process to shrink the mesh: "
                           "give --cpu-devices N or --devices-per-process N (the launcher never starts JAX to count them)")
     planner = shrink_planner(train.config, train.overrides, devices) if devices is not None else None
-    if args.print_shrink:
-        return print_shrink(planner, args.num_processes, "jaxtrain launch")
     supervisor = Supervisor(train.argv, args.num_processes, output_dir=train.cfg.run.output_dir,
                             max_restarts=args.max_restarts, port=args.port, grace_period_s=args.grace_period_s,
                             isolate_after=args.isolate_after, plan_isolation=planner)

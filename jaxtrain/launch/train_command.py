@@ -46,7 +46,7 @@ def child_command(train_argv: list[str], cpu_devices: int | None, usage: str = "
     """The command every process runs, with its config parsed (phase 1).
 
     Args:
-      train_argv: what follows `--`: `train --config PATH [k=v ...] [--cpu-devices N] [--progress]`.
+      train_argv: what follows `--`: `train --config PATH [k=v ...] [--cpu-devices N]`.
       cpu_devices: the launcher's --cpu-devices (None: not given).
       usage: the verb and options part of the usage line in the error for a missing `train`.
     Returns:

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-import kernels
+import jaxtrain.kernels as kernels
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.parallel import context
 from jaxtrain.parallel.sharding import KERNEL_WHOLE_AXES, Partitioning, check_attention_layout

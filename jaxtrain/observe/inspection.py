@@ -18,13 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import Config
-from jaxtrain.observe.profiling import (COLLECTIVE_KINDS as COLLECTIVES, collective_kind, replica_group_size,
-                                        shape_bytes, wire_bytes)
+from jaxtrain.observe.hlo import (COLLECTIVE_KINDS as COLLECTIVES, Instruction, collective, read_module, shape_bytes,
+                                  split_tuple, wire_bytes)
 from jaxtrain.parallel import context, pipeline
 from jaxtrain.parallel.mesh import describe_crossings
 from jaxtrain.parallel.sharding import logical_to_spec
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 
 
 def collective_bytes(hlo_text: str, num_devices: int | None = None,
@@ -36,7 +34,8 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
     2 x size x (n-1)/n (a ring's reduce-scatter + all-gather), all-to-all size x (n-1)/n,
     collective-permute its buffer. `result_bytes`: the ops' result sizes, summed. Ops inside
     loops (the layer scan, gradient accumulation) count once per trip when XLA records the trip
-    count (`known_trip_count`). An async pair (`-start`/`-done`) counts once.
+    count (`known_trip_count`). An async pair (`-start`/`-done`) counts once. Each op's bytes are
+    `hlo.collective`'s, as `profile-summary` counts them.
 
     The XLA CPU backend has no reduce-scatter of its own: SPMD partitioning's reduce-scatter (FSDP's
     gradient reduction) stays an all-reduce whose result each device only slices its part of
@@ -50,17 +49,7 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
     if num_devices is None:
         m = re.search(r"num_partitions=(\d+)", hlo_text)
         num_devices = int(m.group(1)) if m else 1
-    ops_by_comp: dict[str, list[str]] = defaultdict(list)
-    current, entry = None, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and " = " not in line.split("{")[0]:
-            current = m.group(1)
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if current is not None and " = " in line:
-            ops_by_comp[current].append(line)
+    ops_by_comp, entry = read_module(hlo_text)
 
     totals: dict[str, dict[str, float]] = {k: {"count": 0, "bytes": 0, "result_bytes": 0} for k in COLLECTIVES}
     seen: set[tuple[str, int]] = set()
@@ -76,21 +65,14 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
             return
         seen.add((comp, times))
         for op in ops_by_comp.get(comp, []):
-            lhs, rhs = op.split(" = ", 1)
-            m = re.search(r" ([a-z\-]+)\(", rhs)
-            kind = collective_kind(m.group(1)) if m else None
-            if kind is not None and not m.group(1).endswith("-done"):
-                result_type = rhs[:m.start()]
-                operands = re.match(r"\(([^)]*)\)", rhs[m.end() - 1:])
-                operand_bytes = shape_bytes(operands.group(1)) if operands else 0
-                result = shape_bytes(result_type)
-                if m.group(1).endswith("-start"):  # (operands, results): the result is what is left
-                    result = max(result - operand_bytes, 0) or operand_bytes
-                group = replica_group_size(rhs, num_devices)
+            rhs = op.rhs
+            moved = collective(op, num_devices)  # None for an async pair's -done
+            if moved is not None:
+                kind, result, group, wire = moved.kind, moved.result_bytes, moved.group, moved.wire_bytes
                 if kind == "all-reduce" and sliced_as_reduce_scatter and group > 1:
                     # An element each device slices to 1/k: a reduce-scatter over k devices, then (when
                     # the group is larger, e.g. data x fsdp) an all-reduce of the shard over group/k.
-                    for nbytes, k in finder.sliced_elements(comp, lhs.split()[-1].lstrip("%"), result_type):
+                    for nbytes, k in finder.sliced_elements(comp, op.name, op.result_type):
                         if group % k:
                             continue
                         add("reduce-scatter", times, nbytes // k, wire_bytes("reduce-scatter", nbytes // k, k, nbytes))
@@ -99,7 +81,8 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
                         result -= nbytes
                     if result <= 0:
                         continue
-                add(kind, times, result, wire_bytes(kind, result, group, operand_bytes or None))
+                    wire = wire_bytes(kind, result, group)  # what is left of it
+                add(kind, times, result, wire)
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs)
             for callee in re.findall(r"(?:body|calls|to_apply|condition|branch_computations)=\{?%?([\w.\-]+)", rhs):
                 visit(callee, times * (int(trips.group(1)) if trips and "body=" in rhs else 1), depth + 1)
@@ -109,16 +92,13 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None,
     return totals
 
 
-def _users(ops: list[str]) -> dict[str, list[tuple[str, str, list[str]]]]:
-    """Instruction name -> [(user name, user's right-hand side, user's operand names)] in one computation."""
-    out: dict[str, list[tuple[str, str, list[str]]]] = defaultdict(list)
+def _users(ops: list[Instruction]) -> dict[str, list[tuple[Instruction, list[str]]]]:
+    """Instruction name -> [(user, user's operand names)] in one computation."""
+    out: dict[str, list[tuple[Instruction, list[str]]]] = defaultdict(list)
     for op in ops:
-        lhs, rhs = op.split(" = ", 1)
-        name = lhs.split()[-1].lstrip("%")
-        m = re.search(r" [a-z\-]+\(([^)]*)\)", rhs)
-        operands = re.findall(r"%([\w.\-]+)", m.group(1) if m else "")
+        operands = re.findall(r"%([\w.\-]+)", op.operands or "")
         for operand in set(operands):
-            out[operand].append((name, rhs, operands))
+            out[operand].append((op, operands))
     return out
 
 
@@ -126,10 +106,10 @@ class _SliceFinder:
     """Whether a value is only ever dynamically sliced down to 1/k of it (through bitcasts, copies
     and into fusions): the signature of a reduce-scatter that the CPU backend left an all-reduce."""
 
-    def __init__(self, ops_by_comp: dict[str, list[str]]):
+    def __init__(self, ops_by_comp: dict[str, list[Instruction]]):
         self.users = {comp: _users(ops) for comp, ops in ops_by_comp.items()}
-        self.params = {comp: {int(m.group(2)): m.group(1) for op in ops
-                              if (m := re.search(r"%?([\w.\-]+) = [^=]* parameter\((\d+)\)", op))}
+        self.params = {comp: {int(m.group(1)): op.name for op in ops
+                              if op.opcode == "parameter" and (m := re.search(r"parameter\((\d+)\)", op.rhs))}
                        for comp, ops in ops_by_comp.items()}
 
     def slice_factor(self, comp: str, value: str, nbytes: int, depth: int = 0) -> int:
@@ -138,14 +118,13 @@ class _SliceFinder:
         if not consumers or depth > 8:
             return 0
         factors = set()
-        for user, rhs, operands in consumers:
-            opcode = re.search(r" ([a-z\-]+)\(", rhs)
-            opcode = opcode.group(1) if opcode else ""
+        for user, operands in consumers:
+            opcode, rhs = user.opcode, user.rhs
             if opcode == "dynamic-slice" and operands and operands[0] == value:
-                part = shape_bytes(rhs.split(" ")[0])
+                part = shape_bytes(user.result_type)
                 factors.add(nbytes // part if part and nbytes % part == 0 else 0)
             elif opcode in ("bitcast", "copy", "reshape"):
-                factors.add(self.slice_factor(comp, user, nbytes, depth + 1))
+                factors.add(self.slice_factor(comp, user.name, nbytes, depth + 1))
             elif opcode == "fusion":
                 callee = re.search(r"calls=%?([\w.\-]+)", rhs)
                 inner = self.params.get(callee.group(1), {}) if callee else {}
@@ -159,18 +138,17 @@ class _SliceFinder:
     def sliced_elements(self, comp: str, name: str, result_type: str) -> list[tuple[int, int]]:
         """(bytes, k) of the elements of all-reduce `name` (a tuple when XLA combined several) that
         are only sliced to 1/k."""
-        from jaxtrain.observe.profiling import _split_tuple
         if not result_type.strip().startswith("("):
             nbytes = shape_bytes(result_type)
             k = self.slice_factor(comp, name, nbytes)
             return [(nbytes, k)] if k else []
-        elements = _split_tuple(result_type)
+        elements = split_tuple(result_type)
         out = []
-        for user, rhs, _ in self.users.get(comp, {}).get(name, []):  # get-tuple-element(%name), index=i
-            index = re.search(r"get-tuple-element\(.*index=(\d+)", rhs)
+        for user, _ in self.users.get(comp, {}).get(name, []):  # get-tuple-element(%name), index=i
+            index = re.search(r"get-tuple-element\(.*index=(\d+)", user.rhs)
             if index:
                 nbytes = shape_bytes(elements[int(index.group(1))])
-                k = self.slice_factor(comp, user, nbytes)
+                k = self.slice_factor(comp, user.name, nbytes)
                 if k:
                     out.append((nbytes, k))
         return out

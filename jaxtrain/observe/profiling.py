@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from jaxtrain.checkpoint.paths import is_remote  # imports nothing heavy
+from jaxtrain.observe.hlo import COLLECTIVE_KINDS, collective, collective_kind, read_module
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 COMPUTE_KINDS = ("matmul", "attention", "elementwise")
 WAIT_KINDS = ("host_wait", "idle")
 PARTS = COMPUTE_KINDS + COLLECTIVE_KINDS + WAIT_KINDS
@@ -171,80 +171,6 @@ class StepProfiler:
 
 # ---------------------------------------------------------------------------------- HLO facts
 
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-                "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-_SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-
-
-def shape_bytes(text: str) -> int:
-    """Bytes of all array shapes in an HLO type string (a tuple counts all its elements)."""
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype in _DTYPE_BYTES:
-            n = 1
-            for d in dims.split(","):
-                if d:
-                    n *= int(d)
-            total += _DTYPE_BYTES[dtype] * n
-    return total
-
-
-def replica_group_size(attributes: str, num_devices: int) -> int:
-    """Devices in each replica group of a collective, from any of XLA's spellings.
-
-    `replica_groups={{0,1},{2,3}}` (explicit), `replica_groups=[4,2]<=[8]` (iota: 4 groups of 2),
-    `replica_groups=mesh['a'=4,'b'=2] {'b'}` (mesh axes: the product of the named axes; also with
-    `, device_ids=(...)` before the names), and
-    `replica_groups={}` (one group of all devices).
-    """
-    m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attributes)
-    if m:
-        return max(len([x for x in m.group(1).split(",") if x.strip()]), 1)
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attributes)
-    if m:
-        return int(m.group(2))
-    # The mesh spelling may carry a device order between the axes and the group's axis names:
-    # `mesh[...], device_ids=([2,4]T(1,0)) {'axis_0'}` (no braces in between).
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{}]*\{([^}]*)\}", attributes)
-    if m:
-        sizes = {k.strip("'\" "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
-        names = [x.strip("'\" ") for x in m.group(2).split(",") if x.strip()]
-        size = 1
-        for n in names:
-            size *= sizes.get(n, 1)
-        return size
-    return num_devices
-
-
-def collective_kind(opcode: str) -> str | None:
-    """'all-gather-start' -> 'all-gather'; None for anything that is not a collective."""
-    base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode[:-len("-done")] if opcode.endswith("-done") else opcode
-    return base if base in COLLECTIVE_KINDS else None
-
-
-def wire_bytes(kind: str, result_bytes: int, group: int, operand_bytes: int | None = None) -> float:
-    """Bytes one device sends for one collective over a replica group of `group` devices.
-
-    all-gather: result x (n-1)/n; reduce-scatter: input x (n-1)/n (= result x (n-1));
-    all-reduce: 2 x size x (n-1)/n (ring: reduce-scatter then all-gather); all-to-all:
-    size x (n-1)/n; collective-permute: its whole buffer. A group of one moves nothing.
-    """
-    if group <= 1:
-        return 0.0
-    f = (group - 1) / group
-    if kind == "all-gather":
-        return result_bytes * f
-    if kind == "reduce-scatter":
-        return (operand_bytes if operand_bytes is not None else result_bytes * group) * f
-    if kind == "all-reduce":
-        return 2.0 * result_bytes * f
-    if kind == "all-to-all":
-        return result_bytes * f
-    return float(result_bytes)  # collective-permute
-
-
 class HloOp:
     """What the summary needs to know about one HLO instruction."""
 
@@ -255,58 +181,24 @@ class HloOp:
 
 
 def parse_hlo(text: str, num_devices: int) -> dict[str, HloOp]:
-    """Instruction name -> HloOp for every instruction of an (optimized) HLO module text."""
-    computations: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    current = None
-    for line in text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and " = " not in line.split("{")[0]:
-            current = m.group(1)
-            continue
-        m = _INSTRUCTION.match(line)
-        if m and current is not None:
-            computations[current].append((m.group(1), m.group(2)))
-
-    def opcode_of(rhs: str) -> tuple[str, str]:
-        # rhs: "<type> <opcode>(operands), attributes"; the type may be a tuple with spaces.
-        depth, i = 0, 0
-        while i < len(rhs):
-            c = rhs[i]
-            if c in "([{":
-                depth += 1
-            elif c in ")]}":
-                depth -= 1
-            elif c == " " and depth == 0:
-                break
-            i += 1
-        result_type, rest = rhs[:i], rhs[i + 1:]
-        m = re.match(r"([\w\-]+)\(", rest)
-        return result_type, (m.group(1) if m else rest.split("(")[0])
-
-    has_dot: dict[str, bool] = {}
-    for comp, instructions in computations.items():
-        has_dot[comp] = any(opcode_of(rhs)[1] in ("dot", "convolution") for _, rhs in instructions)
+    """Instruction name -> HloOp for every instruction of an (optimized) HLO module text (read, and
+    its collectives' bytes counted, by `hlo`, as `jaxtrain inspect` counts them)."""
+    computations, _ = read_module(text)
+    has_dot = {comp: any(i.opcode in ("dot", "convolution") for i in instructions)
+               for comp, instructions in computations.items()}
 
     ops: dict[str, HloOp] = {}
     for comp, instructions in computations.items():
-        for name, rhs in instructions:
-            result_type, opcode = opcode_of(rhs)
+        for instruction in instructions:
+            name, opcode, rhs = instruction.name, instruction.opcode, instruction.rhs
             scope_m = re.search(r'op_name="([^"]*)"', rhs)
             scope = scope_m.group(1) if scope_m else ""
             kind = collective_kind(opcode)
             nbytes = 0.0
             if kind is not None:
                 category = kind
-                if not opcode.endswith("-done"):  # count an async pair's bytes once, on its start
-                    operands = re.search(r"\(([^)]*)\)", rhs[len(result_type):])
-                    operand_bytes = shape_bytes(operands.group(1)) if operands else None
-                    result = result_type
-                    if opcode.endswith("-start") and result.startswith("("):
-                        # async start returns (operands, results, ...): the result is the second part
-                        parts = _split_tuple(result)
-                        result = parts[1] if len(parts) > 1 else result
-                    nbytes = wire_bytes(kind, shape_bytes(result), replica_group_size(rhs, num_devices),
-                                        operand_bytes or None)
+                moved = collective(instruction, num_devices)  # None for an async pair's -done
+                nbytes = moved.wire_bytes if moved is not None else 0.0
             elif opcode == "custom-call":
                 target = re.search(r'custom_call_target="([^"]*)"', rhs)
                 target = target.group(1) if target else ""
@@ -321,21 +213,6 @@ def parse_hlo(text: str, num_devices: int) -> dict[str, HloOp]:
                 category = "elementwise"
             ops[name] = HloOp(name, opcode, category, nbytes, scope)
     return ops
-
-
-def _split_tuple(t: str) -> list[str]:
-    """'(a, (b, c), d)' -> ['a', '(b, c)', 'd']."""
-    inner, parts, depth, start = t.strip()[1:-1], [], 0, 0
-    for i, c in enumerate(inner):
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            parts.append(inner[start:i].strip())
-            start = i + 1
-    parts.append(inner[start:].strip())
-    return parts
 
 
 def classify_by_name(name: str) -> str:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxtrain.config import Config
 from jaxtrain.model.llama import matmul_params
-from kernels import attention_flops
+from jaxtrain.kernels import attention_flops
 
 # Dense peak FLOP/s per device by device kind: (bf16, fp32). fp32 on GPUs means TF32 tensor cores.
 # Matched by substring of `jax.Device.device_kind`, first hit wins (so "H200" before "H100").

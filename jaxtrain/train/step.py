@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from jaxtrain.config import Config
 from jaxtrain.model.loss import fused_loss
+from jaxtrain.numerics import all_finite  # the step skips a non-finite update (tests import it from here too)
 from jaxtrain.parallel import context, pipeline
 from jaxtrain.parallel.sharding import Partitioning, Rules
 from jaxtrain.train.optim import applied_learning_rate, keeps_state_on_skip, learning_rate_schedule
@@ -104,12 +105,6 @@ def advance_rng(rng: jax.Array, step: jax.Array) -> jax.Array:
     the advanced key, so a resumed run continues the same stream bitwise.
     """
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), step))
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """True when every element of every leaf of `tree` is finite (a tree-wide isfinite reduction)."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
 def global_norm(tree: Any, finite: jax.Array) -> jax.Array:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,22 +16,17 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import free_port  # noqa: E402
 from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
 
 from jaxtrain import checkpoint as ckpt_lib  # noqa: E402
 from jaxtrain.checkpoint import BarrierTimeoutError, Checkpointer  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(mode: str, *args: str, timeout: float = 120) -> list[str]:
     """Start the 2 worker processes of one job; return their outputs (both must exit 0)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, __file__, mode, str(pid), port, *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
     outputs = []

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY, read_jsonl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_checkpoint import abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
@@ -27,8 +28,6 @@ from test_checkpoint import abstract, cfg, host_state, matches, mesh_of, to_devi
 from jaxtrain.checkpoint.local_tier import LocalTier, default_dir  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=8",
          "data.seq_len=16", "train.log_every=1"]
 
@@ -186,16 +185,13 @@ def launch(env: dict, out: Path, local: Path, *overrides: str, restarts: int = 0
                            *overrides], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def losses(out: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}  # the kept computation wins
+    # the kept computation wins
+    return {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl", missing_ok=True)}
 
 
 def resume(out: Path) -> dict:
-    return next(e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "resume")
+    return next(e for e in read_jsonl(out / "events.jsonl", missing_ok=True) if e["kind"] == "resume")
 
 
 STEPS = 12
@@ -228,7 +224,7 @@ def test_kill_resumes_from_the_local_tier_bitwise(tmp_path, child_env, uninterru
     assert e["source"] == "local" and kill - 2 * LOCAL_EVERY <= e["restored_step"] < kill, (kill, e)
     assert losses(out) == uninterrupted
     assert not local.exists()
-    saved = [x for x in read_jsonl(out / "events.jsonl") if x["kind"] == "local_checkpoint_saved"]
+    saved = [x for x in read_jsonl(out / "events.jsonl", missing_ok=True) if x["kind"] == "local_checkpoint_saved"]
     assert saved and all(x["step"] % LOCAL_EVERY == 0 for x in saved)
     # `jaxtrain goodput` books the local saves' blocking as checkpoint time: the same run without
     # those events has less of it
@@ -285,7 +281,7 @@ def test_a_damaged_local_copy_is_refused_for_the_persistent_tier(tmp_path, child
     data.write_bytes(bytes(raw))
     r = launch(child_env, out, local, *common)
     assert r.returncode == 0, r.stderr[-3000:]
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     e = resume(out)
     assert e["source"] == "persistent" and e["restored_step"] == 4, e
     fallback = next(x for x in events if x["kind"] == "local_tier_fallback")
@@ -306,7 +302,7 @@ def test_both_copies_of_a_slot_gone_fall_back_to_the_persistent_tier(tmp_path, c
     assert r.returncode == 0, r.stderr[-3000:]
     e = resume(out)
     assert e["source"] == "persistent" and e["restored_step"] == 4, e
-    fallback = next(x for x in read_jsonl(out / "events.jsonl") if x["kind"] == "local_tier_fallback")
+    fallback = next(x for x in read_jsonl(out / "events.jsonl", missing_ok=True) if x["kind"] == "local_tier_fallback")
     assert "no local step complete on every process" in fallback["reason"], fallback
     assert losses(out) == uninterrupted
 
@@ -321,7 +317,7 @@ def test_isolation_continues_on_fewer_processes_from_the_persistent_tier(tmp_pat
     r = launch(child_env, out, local, f"train.steps={STEPS}", "checkpoint.every_steps=4",
                "checkpoint.async_save=false", "chaos.crash_process=1", "chaos.crash_at_step=7", restarts=2, isolate_after=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     assert [x["slot"] for x in events if x["kind"] == "isolate"] == [1]
     e = resume(out)
     assert e["source"] == "persistent" and e["restored_step"] == 4, e

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
+from helpers import REPO, TINY
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from storage_servers import SECRETS, objects, storage_servers  # noqa: E402
@@ -42,8 +43,6 @@ from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.observe.tensorboard import read_scalars  # noqa: E402
 from jaxtrain.trainer import Trainer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 BACKENDS = ["gs", "s3"]
 BUCKET = "jaxtrain-test"
 STEPS, KILL_AT, EVERY = 20, 13, 5

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -14,14 +13,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import TINY, read_jsonl
 from trees import assert_trees_equal
 
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 STEPS = 40
 RUN = ["train.steps=40", "train.log_every=1", "checkpoint.every_steps=5", "model.num_layers=1",
        "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=8", "data.seq_len=32"]
@@ -34,10 +32,6 @@ def train_cmd(out: Path, cache: Path, *extra: str) -> list[str]:
 
 def run(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(out, cache, *extra), capture_output=True, text=True, timeout=600)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def final_state(out: Path) -> dict:

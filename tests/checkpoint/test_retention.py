@@ -3,14 +3,13 @@ queue that saves never wait for (jaxtrain/checkpoint/checkpointer.py, jaxtrain/t
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import pytest
+from helpers import TINY, read_jsonl
 
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.checkpoint import checkpointer as ckpt_mod
@@ -20,8 +19,6 @@ from jaxtrain.trainer import Trainer
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import Events, cfg, host_state, mesh_of, to_device  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 
 
 def steps_on_disk(directory) -> list[int]:
@@ -88,10 +85,6 @@ def test_a_deletion_that_fails_is_reported_and_training_goes_on(tmp_path, monkey
     failed = events.kinds("checkpoint_delete_failed")
     assert failed and failed[0][0] == 1 and "permission denied" in failed[0][1]["error"]
     assert ck.latest_step() == 3
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow

@@ -16,11 +16,10 @@ import sys
 import threading
 import time
 import types
-from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-from storage_servers import free_port
+from helpers import TINY, free_port
 
 from jaxtrain import cli
 from jaxtrain.checkpoint import storage
@@ -28,8 +27,6 @@ from jaxtrain.checkpoint.storage import TransientStorageError
 from jaxtrain.config import ConfigError
 from jaxtrain.exit_codes import EXIT_RESTART, EXIT_USAGE
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 ATTEMPTS = 4  # RETRY_ATTEMPTS in these tests
 
 

@@ -9,13 +9,13 @@ slice whose torus order runs the tensor ring over two hosts does: each reads `pr
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from helpers import free_port
 from test_data import random_docs, write_tokens
 
 from jaxtrain.config import load_config
@@ -93,12 +93,6 @@ WORKER = textwrap.dedent("""
         np.savez(out, **saved)
     jax.distributed.shutdown()
 """ % STEPS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,7 @@
 """Cross-process mechanisms at simulated scale: O(1) coordinator calls per process, O(P) per job.
 
 P = 8, 64, 256 and 1,000 simulated processes (threads running the real jaxtrain functions against
-the counting fake coordination service of `jaxtrain/fault/coordination.py`; no JAX devices). The
+the counting fake coordination service of `tests/coordination_stand_in.py`; no JAX devices). The
 bounds come from the design (see each mechanism's docstring), so a change that makes a mechanism
 loop over its peers (P^2 calls at P = 1,000: what the host barriers did) fails here.
 """
@@ -17,10 +17,10 @@ import time
 from contextlib import redirect_stdout
 
 import pytest
+from coordination_stand_in import FakeCoordinationService, Measurement, measure_all, simulate
 
 from jaxtrain.checkpoint.multihost import barrier
 from jaxtrain.fault import preflight
-from jaxtrain.fault.coordination import FakeCoordinationService, Measurement, measure_all, simulate
 from jaxtrain.fault.stragglers import job_hosts
 from jaxtrain.fault.watchdog import LINGER_S
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the workers run this file
+from helpers import TINY, free_port  # noqa: E402
+
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=4", "data.seq_len=16",
          "train.log_every=1"]
 
@@ -59,12 +58,6 @@ def test_one_process_decides_at_every_step_without_any_collective():
 
 
 # ----------------------------------------------------------------------------- two processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(pid: int, port: int, out: str) -> None:
@@ -115,7 +108,7 @@ def test_no_cross_process_call_on_ordinary_steps(tmp_path):
     at the end (and before the first step, at the start). Formerly every step asked process 0
     through the key-value store."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(pid), str(port), str(tmp_path / "run")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]

@@ -4,12 +4,12 @@ the same rail of the partner, and the chaos.slow_link delay lands on the listed 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import jax
 import pytest
 import jax.numpy as jnp
 import numpy as np
+from helpers import TINY
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import ConfigError, load_config
@@ -17,7 +17,6 @@ from jaxtrain.fault import preflight
 from jaxtrain.fault.preflight_plan import round_robin
 from jaxtrain.parallel.mesh import validate_against_devices
 
-TINY = Path(__file__).resolve().parents[2] / "configs/tiny.yaml"
 
 PROCESSES, RAILS = 4, 2
 

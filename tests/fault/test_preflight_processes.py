@@ -13,15 +13,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from storage_servers import free_port
+from helpers import TINY, free_port
 
 from jaxtrain import env as jaxtrain_env
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 DEVICES = 2  # per process
 SLOW_S = 0.05  # a bad link's extra time per exchange (an exchange of 1 MiB takes a few ms here)
 # Healthy pairs of one class spread 1.1-1.7 GB/s here as the load of 2 shared cores goes (CI and a

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO, TINY
 
 from jaxtrain.config import FaultConfig
 from jaxtrain.exit_codes import EXIT_RESTART
 from jaxtrain.fault.watchdog import Watchdog
 
-REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0
 HARD_TIMEOUT_S = 30.0  # a watchdog that never exits fails here
 
@@ -243,7 +243,7 @@ def test_trainer_without_files_runs_no_watchdog(tmp_path, monkeypatch):
 
     fired: list = []
     monkeypatch.setattr(Watchdog, "_fire", lambda self, phase, *args, **kwargs: fired.append(phase))
-    cfg = load_config(str(REPO / "configs/tiny.yaml"), [
+    cfg = load_config(TINY, [
         f"run.output_dir={tmp_path}", "checkpoint.compilation_cache_dir=null", "model.num_layers=1",
         "data.global_batch_size=4", "data.seq_len=16", "fault.hang_timeout_s=0.05",
         "fault.startup_timeout_s=0.05", "fault.checkpoint_timeout_s=0.05"])

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import TINY
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from jaxtrain import cli
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 EOT = "<|endoftext|>"
 VOCAB = 512  # the tokenizer's; the model's is a little larger (room for an appended eod id)
 MODEL_VOCAB = 520

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kernels import (
+from jaxtrain.kernels import (
     IMPLEMENTATIONS,
     attention_flops,
     attention_training_flops,
@@ -24,8 +24,8 @@ from kernels import (
     mha_reference,
     resolve_implementation,
 )
-from kernels.pallas_attention import pallas_flash_attention
-from kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads
+from jaxtrain.kernels.pallas_attention import pallas_flash_attention
+from jaxtrain.kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads
 
 # ------------------------------------------------------------------------------------------------
 # Dispatch and FLOPs.

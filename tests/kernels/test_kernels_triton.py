@@ -23,9 +23,9 @@ from triton_stand_in import to_numpy as _to_numpy
 from triton_stand_in import to_torch as _to_torch
 from triton_stand_in import triton_attention as ta
 
-from kernels.common import MASK_VALUE
-from kernels.reference import attention_block, attention_block_bwd
-from kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads
+from jaxtrain.kernels.common import MASK_VALUE
+from jaxtrain.kernels.reference import attention_block, attention_block_bwd
+from jaxtrain.kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads
 
 
 def _launch(kind, kernel, inputs, outputs, q_shape, kv_heads, dtype_name, causal, has_seg, block_sizes):
@@ -136,7 +136,7 @@ def test_triton_fully_masked_rows_are_zero_not_nan():
 
 _AOT_SCRIPT = """
 import json, sys
-from kernels.triton_attention import aot_compile
+from jaxtrain.kernels.triton_attention import aot_compile
 shared = {}
 for kind in ("fwd", "dq", "dkv"):
     kernel = aot_compile(kind, (2, 4096, 16, 128), 4, "bfloat16", causal=True, has_segments=True)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import TINY, read_jsonl
 from trees import assert_trees_close, assert_trees_equal, final_params
 
 from jaxtrain.config import ConfigError, load_config
@@ -32,13 +33,7 @@ from jaxtrain.launch.elastic import Shrink, ShrinkRefused, plan_shrink
 from jaxtrain.launch.runfiles import last_known_step
 from jaxtrain.launch.supervisor import Supervisor, main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 TINY_OVERRIDES = ["train.steps=4", "train.log_every=1", "data.global_batch_size=8"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 # ----------------------------------------------------------------------------- stand-in children
@@ -83,7 +78,7 @@ def test_user_error_stops_the_others_and_is_never_restarted(tmp_path):
     """), output_dir=tmp_path, max_restarts=3)
     assert code == 2
     assert err.count("starting 2 processes") == 1 and "process 1 exited with code 2 (user error)" in err
-    assert read_jsonl(tmp_path / "events.jsonl") == []
+    assert read_jsonl(tmp_path / "events.jsonl", missing_ok=True) == []
 
 
 def test_crash_restarts_the_whole_job_and_logs_a_restart_event(tmp_path):
@@ -98,7 +93,7 @@ def test_crash_restarts_the_whole_job_and_logs_a_restart_event(tmp_path):
         print('attempt', ATTEMPT, 'port', os.environ['JAXTRAIN_COORDINATOR'])
     """), output_dir=tmp_path, max_restarts=1)
     assert code == 0, err
-    *_, event = read_jsonl(tmp_path / "events.jsonl")
+    *_, event = read_jsonl(tmp_path / "events.jsonl", missing_ok=True)
     assert event["kind"] == "restart" and event["attempt"] == 1 and event["step"] == 7
     assert event["process"] == 1 and event["signal"] == "SIGKILL" and "process 1 killed by SIGKILL" in event["reason"]
     assert set(out.split()) >= {"[p0]", "[p1]", "attempt", "1"}
@@ -111,7 +106,7 @@ def test_restarts_are_bounded_and_each_attempt_gets_a_new_port(tmp_path):
             sys.exit(75)
     """), output_dir=tmp_path, max_restarts=2)
     assert code == 75  # the last failure's code: an outer scheduler may restart us in turn
-    events = read_jsonl(tmp_path / "events.jsonl")
+    events = read_jsonl(tmp_path / "events.jsonl", missing_ok=True)
     assert [e["attempt"] for e in events] == [1, 2] and all(e["exit_code"] == 75 for e in events)
     assert "restart requested" in events[0]["reason"] and events[0]["step"] == -1  # no metrics yet
     assert len(set(out.split())) == 1 + 3  # "[p0]" and three different coordinator addresses
@@ -165,7 +160,7 @@ def test_the_same_python_error_twice_without_progress_stops_the_job_with_78(tmp_
     """), max_restarts=5, output_dir=tmp_path, grace_period_s=0.5)
     assert code == 78, err
     assert "the same error twice without progress: RuntimeError at ?, step 3 (a human is needed): not restarting" in err
-    events = read_jsonl(tmp_path / "events.jsonl")
+    events = read_jsonl(tmp_path / "events.jsonl", missing_ok=True)
     assert [e["kind"] for e in events] == ["error", "restart", "error"]
     assert events[0]["process"] == 1 and events[0]["message"] == "a bug" and events[0]["step"] == 3
 
@@ -205,7 +200,7 @@ def test_the_error_event_names_the_innermost_jaxtrain_frame(tmp_path):
     _record_error(str(tmp_path), 2, 7, KeyboardInterrupt())  # an interrupt is no error
     _record_error(str(tmp_path), 2, 7, ConfigError("bad"))  # a user error writes nothing, as ever
     assert time.monotonic() - t < 1.0
-    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    (event,) = read_jsonl(tmp_path / "events.jsonl", missing_ok=True)
     assert {k: event[k] for k in ("kind", "process", "step", "type", "where")} == {
         "kind": "error", "process": 2, "step": 7, "type": "TypeError", "where": "jaxtrain/launch/policy.py:exit_status"}
 
@@ -265,7 +260,7 @@ def test_the_first_process_to_exit_is_blamed_not_the_lowest_numbered(tmp_path):
             sys.exit(3)
     """), output_dir=tmp_path / "run", max_restarts=1)
     assert code == 0, err
-    (event,) = read_jsonl(tmp_path / "run" / "events.jsonl")
+    (event,) = read_jsonl(tmp_path / "run" / "events.jsonl", missing_ok=True)
     assert event["process"] == 1 and event["exit_code"] == 1, event
 
 
@@ -288,9 +283,10 @@ def test_a_slot_that_crashes_at_every_start_is_isolated(tmp_path):
     code, out, err = supervise(fake(BAD_SLOT_1), num_processes=3, output_dir=tmp_path, max_restarts=3,
                                isolate_after=2, plan_isolation=shrink_by_one, host="node-b")
     assert code == 0, err
-    kinds = [(e["kind"], e.get("slot"), e.get("attempt")) for e in read_jsonl(tmp_path / "events.jsonl")]
+    kinds = [(e["kind"], e.get("slot"), e.get("attempt"))
+             for e in read_jsonl(tmp_path / "events.jsonl", missing_ok=True)]
     assert kinds == [("restart", 1, 1), ("isolate", 1, None), ("restart", 1, 2)]
-    isolate = read_jsonl(tmp_path / "events.jsonl")[1]
+    isolate = read_jsonl(tmp_path / "events.jsonl", missing_ok=True)[1]
     assert isolate["host"] == "node-b" and isolate["failures"] == 2
     assert isolate["from_processes"] == 3 and isolate["processes"] == 2 and isolate["overrides"] == ["shrunk.to=2"]
     # Slots 0 and 2 go on as processes 0 and 1 of a 2-process job, with the plan's overrides.
@@ -307,7 +303,7 @@ def test_isolation_refused_gives_up_with_the_original_failure(tmp_path):
     code, _, err = supervise(fake(BAD_SLOT_1), num_processes=3, output_dir=tmp_path, max_restarts=3,
                              isolate_after=2, plan_isolation=refuse)
     assert code == 1, err  # slot 1's own exit code
-    events = read_jsonl(tmp_path / "events.jsonl")
+    events = read_jsonl(tmp_path / "events.jsonl", missing_ok=True)
     assert [e["kind"] for e in events] == ["restart", "isolate_refused"]
     assert "not divisible by the 3 processes" in events[1]["reason"] and events[1]["slot"] == 1
     assert "cannot continue without it" in err and err.count("starting 3 processes") == 2
@@ -325,7 +321,7 @@ def test_only_the_same_slot_failing_in_a_row_counts(tmp_path):
             time.sleep(60)
     """), output_dir=tmp_path, max_restarts=3, isolate_after=2, plan_isolation=shrink_by_one)
     assert code == 0, err
-    assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["restart"] * 3
+    assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl", missing_ok=True)] == ["restart"] * 3
 
 
 def test_a_slot_that_hangs_at_every_attempt_is_isolated_by_the_hang_events(tmp_path):
@@ -343,7 +339,7 @@ def test_a_slot_that_hangs_at_every_attempt_is_isolated_by_the_hang_events(tmp_p
         print('slot', SLOT, 'of', N)
     """), num_processes=2, output_dir=tmp_path, max_restarts=3, isolate_after=2, plan_isolation=shrink_by_one)
     assert code == 0, err
-    kinds = [(e["kind"], e.get("slot")) for e in read_jsonl(events) if e["kind"] != "hang"]
+    kinds = [(e["kind"], e.get("slot")) for e in read_jsonl(events, missing_ok=True) if e["kind"] != "hang"]
     assert kinds == [("restart", kinds[0][1]), ("isolate", 1), ("restart", kinds[2][1])], kinds
     assert out.splitlines() == ["[p0] slot 0 of 1"]
     code, _, err = supervise(fake(f"""
@@ -442,17 +438,9 @@ def test_plan_shrink_refuses_what_cannot_train_the_same_run(overrides, processes
         plan_shrink(tiny(*overrides), processes, devices)
 
 
-def test_print_shrink_and_its_refusal(capsys):
-    argv = ["--num-processes", "2", "--cpu-devices", "2", "--print-shrink", "--", "train", "--config", str(TINY)]
-    assert main(argv + ["data.global_batch_size=8"]) == 0
-    assert capsys.readouterr().out.split() == ["mesh.data=-1", "train.grad_accum=2"]
-    assert main(argv + ["data.global_batch_size=8", "mesh.tensor=4"]) == 1
-    assert "no smaller job" in capsys.readouterr().err
-
-
 def test_isolation_needs_the_devices_per_process():
     with pytest.raises(ConfigError, match="--devices-per-process"):
-        main(["--num-processes", "2", "--isolate-after", "1", "--", "train", "--config", str(TINY)])
+        main(["--num-processes", "2", "--isolate-after", "1", "--", "train", "--config", TINY])
 
 
 def test_crash_drill_fires_on_every_attempt_in_its_slot_only(monkeypatch):
@@ -499,12 +487,12 @@ def test_last_known_step(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--num-processes", "2"], "expected `jaxtrain launch"),
-    (["--num-processes", "2", "--", "inspect", "--config", str(TINY)], "expected `jaxtrain launch"),
-    (["--num-processes", "2", "--cpu-devices", "2", "--", "train", "--config", str(TINY), "--cpu-devices", "2"],
+    (["--num-processes", "2", "--", "inspect", "--config", TINY], "expected `jaxtrain launch"),
+    (["--num-processes", "2", "--cpu-devices", "2", "--", "train", "--config", TINY, "--cpu-devices", "2"],
      "given both"),
     (["--num-processes", "2", "--", "train", "--config", "missing.yaml"], "does not exist"),
-    (["--num-processes", "2", "--", "train", "--config", str(TINY), "train.stepz=3"], "train.stepz"),
-    (["--num-processes", "0", "--", "train", "--config", str(TINY)], "at least 1"),
+    (["--num-processes", "2", "--", "train", "--config", TINY, "train.stepz=3"], "train.stepz"),
+    (["--num-processes", "0", "--", "train", "--config", TINY], "at least 1"),
 ])
 def test_bad_launch_arguments_are_user_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -543,7 +531,7 @@ def child_env(tmp_path_factory) -> dict[str, str]:
 
 def launch(env: dict[str, str], cwd: Path, *args: str, overrides: list[str]) -> subprocess.CompletedProcess:
     cache = ["checkpoint.compilation_cache_dir=" + env["JAX_COMPILATION_CACHE_DIR"]]
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", *args, "--", "train", "--config", str(TINY),
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", *args, "--", "train", "--config", TINY,
                            *TINY_OVERRIDES, *cache, *overrides],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -572,10 +560,10 @@ def reference(tmp_path_factory, child_env) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_train_as_one_job(reference):
-    events = read_jsonl(reference / "events.jsonl")
+    events = read_jsonl(reference / "events.jsonl", missing_ok=True)
     start = event(events, "start")
     assert start["devices"] == 4 and start["processes"] == 2 and start["mesh"]["data"] == 4
-    assert [m["step"] for m in read_jsonl(reference / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in read_jsonl(reference / "metrics.jsonl", missing_ok=True)] == [1, 2, 3, 4, 5, 6]
     assert events[-1]["kind"] == "done" and not any(e["kind"] == "restart" for e in events)
 
 
@@ -601,7 +589,7 @@ def test_killed_process_restarts_the_job_and_ends_bitwise_equal(tmp_path, child_
     r = launch(child_env, tmp_path, "--num-processes", "2", "--cpu-devices", "2", "--max-restarts", "1",
                "--grace-period-s", "2",
                overrides=[f"run.output_dir={out}", *RESILIENCE, "chaos.kill_at_step=3", "chaos.kill_process=1"])
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     restarts = [e for e in events if e["kind"] == "restart"]
     assert len(restarts) >= 1, r.stderr[-3000:]
     assert restarts[0]["attempt"] == 1 and restarts[0]["process"] == 1 and restarts[0]["signal"] == "SIGKILL"
@@ -611,9 +599,9 @@ def test_killed_process_restarts_the_job_and_ends_bitwise_equal(tmp_path, child_
     assert event(events, "resume")["restored_step"] == 2
     assert event(events, "start")["devices"] == 4 and event(events, "start")["processes"] == 2
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
-    metrics = read_jsonl(out / "metrics.jsonl")
+    metrics = read_jsonl(out / "metrics.jsonl", missing_ok=True)
     assert [m["step"] for m in metrics][-4:] == [3, 4, 5, 6]  # after the restore every step runs again
-    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl")}
+    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl", missing_ok=True)}
     for m in metrics:
         assert (m["loss"], m["grad_norm"]) == (want[m["step"]]["loss"], want[m["step"]]["grad_norm"]), m["step"]
     assert_trees_equal(final_params(out), final_params(reference), "final parameter ")
@@ -647,7 +635,7 @@ def test_a_bad_slot_is_isolated_and_the_run_continues_on_fewer_processes(tmp_pat
                "--grace-period-s", "2", "--isolate-after", "2",
                overrides=[f"run.output_dir={out}", *RESILIENCE, "chaos.crash_process=1", "chaos.crash_at_step=3"])
     assert r.returncode == 0, r.stderr[-3000:]
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     assert [(e["kind"], e.get("slot")) for e in events if e["kind"] in ("restart", "isolate")] == [
         ("restart", 1), ("isolate", 1), ("restart", 1)]
     isolate = event(events, "isolate")
@@ -660,8 +648,9 @@ def test_a_bad_slot_is_isolated_and_the_run_continues_on_fewer_processes(tmp_pat
     resolved = load_config(out / "config.yaml")  # what the last attempt ran with
     assert resolved.data.global_batch_size == 8 and resolved.train.grad_accum == 2
 
-    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl")}
-    got = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}  # later lines win: the 1-process steps
+    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl", missing_ok=True)}
+    # later lines win: the 1-process steps
+    got = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl", missing_ok=True)}
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (1, 2):  # before the failures: the same 2-process job, bitwise
         assert got[step]["loss"] == want[step]["loss"]
@@ -688,7 +677,7 @@ def test_the_same_python_error_twice_stops_a_real_job_with_78(tmp_path, child_en
     assert r.stderr.count("starting 2 processes") == 2
     said = "the same error twice without progress: RuntimeError at jaxtrain/fault/chaos.py:after_step, step 3"
     assert said in r.stderr, r.stderr[-3000:]
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     errors = [e for e in events if e["kind"] == "error" and e["process"] == 1]
     assert len(errors) == 2, events
     for e in errors:
@@ -707,11 +696,12 @@ def test_hybrid_dcn_mesh_matches_one_process(tmp_path, child_env):
                overrides=[f"run.output_dir={hybrid}", "mesh.dcn_data=2"])
     assert r.returncode == 0, r.stderr[-3000:]
     cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), *TINY_OVERRIDES, cache,
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, *TINY_OVERRIDES, cache,
                         f"run.output_dir={single}", "--cpu-devices", "4"], cwd=tmp_path, env=child_env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    got, want = read_jsonl(hybrid / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
+    got = read_jsonl(hybrid / "metrics.jsonl", missing_ok=True)
+    want = read_jsonl(single / "metrics.jsonl", missing_ok=True)
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
@@ -726,15 +716,16 @@ def test_sigterm_to_a_two_process_job_saves_once_and_exits_75(tmp_path, child_en
     cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "2", "--",
-         "train", "--config", str(TINY), *TINY_OVERRIDES, cache, f"run.output_dir={out}", "train.steps=100000"],
+         "train", "--config", TINY, *TINY_OVERRIDES, cache, f"run.output_dir={out}", "train.steps=100000"],
         cwd=tmp_path, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while len(read_jsonl(out / "metrics.jsonl")) < 3 and time.time() < deadline and launcher.poll() is None:
+    while (len(read_jsonl(out / "metrics.jsonl", missing_ok=True)) < 3 and time.time() < deadline
+           and launcher.poll() is None):
         time.sleep(0.2)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=240)
     assert launcher.returncode == 75, err[-3000:]
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     stopped = next(e for e in events if e["kind"] == "preempted")["step"]
     assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [stopped] and stopped >= 3
     assert not any(e["kind"] == "restart" for e in events)
@@ -769,22 +760,23 @@ def test_sigterm_to_one_process_stops_the_job_together_and_it_resumes(tmp_path, 
     cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
-         "--max-restarts", "1", "--", "train", "--config", str(TINY), *TINY_OVERRIDES, cache,
+         "--max-restarts", "1", "--", "train", "--config", TINY, *TINY_OVERRIDES, cache,
          f"run.output_dir={out}", "train.steps=40", "train.host_sync_every=2", "chaos.slow_seconds=0.2",
          "chaos.slow_process=0"],
         cwd=tmp_path, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while len(read_jsonl(out / "metrics.jsonl")) < 4 and time.time() < deadline and launcher.poll() is None:
+    while (len(read_jsonl(out / "metrics.jsonl", missing_ok=True)) < 4 and time.time() < deadline
+           and launcher.poll() is None):
         time.sleep(0.1)
     os.kill(_child_with_process_id(launcher.pid, 1), signal.SIGTERM)
     _, err = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, err[-3000:]
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     stopped = [e["step"] for e in events if e["kind"] == "preempted"]
     assert len(stopped) == 1 and 4 <= stopped[0] < 40, events
     saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
     assert saved == [stopped[0], 40]  # the emergency checkpoint, then the final one
     assert [e["kind"] for e in events].count("restart") == 1
     assert next(e for e in events if e["kind"] == "resume")["restored_step"] == stopped[0]
-    steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
+    steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl", missing_ok=True)]
     assert sorted(set(steps)) == list(range(1, 41)) and len(steps) == 40  # no step lost, none run twice

@@ -12,17 +12,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import TINY
 
 from jaxtrain import cli
 from jaxtrain.launch.policy import (SAME_ERROR_TWICE, Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits,
                                     Restart, Stop, attempt_steps, blame, blamed_process, decide, error_signature,
                                     exit_after_signal, exit_status, first_failure, made_progress, slurm_restart)
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 
 
 def hang(*behind: int, time: float | None = None) -> dict:
@@ -381,7 +379,7 @@ def test_replayed_attempts(attempts, max_restarts, isolate_after, want):
 
 # ----------------------------------------------------------------------------- `jaxtrain recovery`
 
-TRAIN = ["--", "train", "--config", str(TINY), "data.global_batch_size=8", "--cpu-devices", "2"]
+TRAIN = ["--", "train", "--config", TINY, "data.global_batch_size=8", "--cpu-devices", "2"]
 
 
 def recovery(capsys, *argv: str) -> tuple[int, str, str]:
@@ -569,7 +567,7 @@ def test_shrink_and_blame(capsys, tmp_path):
     ([], "expected `jaxtrain recovery decide|shrink|blame"),
     (["resize"], "unknown `jaxtrain recovery` verb 'resize'"),
     (["shrink", "--num-processes", "2"], "expected `jaxtrain recovery shrink [options] -- train"),
-    (["shrink", "--num-processes", "2", "--", "train", "--config", str(TINY)], "devices of each process"),
+    (["shrink", "--num-processes", "2", "--", "train", "--config", TINY], "devices of each process"),
     (["shrink", "--num-processes", "0", *TRAIN], "--num-processes must be at least 1"),
     (["shrink", "--num-processes", "two", *TRAIN], "--num-processes"),
     (["blame", *TRAIN, "train.stepz=3"], "train.stepz"),

@@ -35,11 +35,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO, TINY, read_jsonl
 from trees import assert_trees_equal, final_params
 
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 SBATCH = REPO / "tpu_gpu_setup/gpu/slurm/train.sbatch"
 # Saves are synchronous so that "step 2 is committed before the kill after step 3" is certain.
 DRILL = ["train.steps=6", "train.log_every=1", "data.global_batch_size=8", "checkpoint.every_steps=2",
@@ -52,10 +51,6 @@ REQUIRED = os.environ.get("JAXTRAIN_REQUIRE_SLURM") == "1"
 needs_slurm = pytest.mark.skipif(
     shutil.which("sbatch") is None and not REQUIRED,
     reason="no SLURM cluster on this machine (start one: sudo tpu_gpu_setup/slurm_local/start_local_slurm.sh)")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +70,7 @@ def sbatch(env: dict[str, str], cwd: Path, name: str, *overrides: str, wait: boo
     """Submit the drill (2 tasks x 2 CPU devices on one node) and (`wait`) wait for it in the background."""
     out = cwd / "run"
     cmd = ["sbatch", *(["--wait"] if wait else []), f"--job-name={name}", "--gpus-per-node=0", "-N1", "--ntasks-per-node=2",
-           *options, f"--output={cwd}/slurm-%j.out", str(SBATCH), str(TINY), f"run.output_dir={out}", *DRILL,
+           *options, f"--output={cwd}/slurm-%j.out", str(SBATCH), TINY, f"run.output_dir={out}", *DRILL,
            f"checkpoint.compilation_cache_dir={env['JAX_COMPILATION_CACHE_DIR']}", *overrides, "--cpu-devices", "2"]
     return subprocess.Popen(cmd, cwd=cwd, env={**env, **script_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -104,12 +99,12 @@ def reference(tmp_path_factory, slurm_env) -> Path:
 
 def assert_same_run(out: Path, reference: Path) -> list[dict]:
     """`out` resumed from step 2 and ends as `reference` did: the same losses, bitwise the same parameters."""
-    events = read_jsonl(out / "events.jsonl")
+    events = read_jsonl(out / "events.jsonl", missing_ok=True)
     assert [e["restored_step"] for e in events if e["kind"] == "resume"] == [2]
     assert [e["processes"] for e in events if e["kind"] == "start"] == [2, 2]
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
-    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl")}
-    got = read_jsonl(out / "metrics.jsonl")
+    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl", missing_ok=True)}
+    got = read_jsonl(out / "metrics.jsonl", missing_ok=True)
     assert sorted({m["step"] for m in got}) == [1, 2, 3, 4, 5, 6]
     for m in got:
         assert (m["loss"], m["grad_norm"]) == (want[m["step"]]["loss"], want[m["step"]]["grad_norm"]), m["step"]
@@ -121,7 +116,7 @@ def assert_same_run(out: Path, reference: Path) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sbatch_forms_one_two_process_job(reference):
-    events = read_jsonl(reference / "events.jsonl")
+    events = read_jsonl(reference / "events.jsonl", missing_ok=True)
     start = next(e for e in events if e["kind"] == "start")
     assert start["processes"] == 2 and start["devices"] == 4
     assert events[-1]["kind"] == "done" and events[-1]["step"] == 6
@@ -226,12 +221,12 @@ def test_the_time_limit_signal_saves_an_emergency_checkpoint_and_the_requeued_jo
                 if time.time() - waiting_since >= 3:
                     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
                     waiting_since = None
-            events = read_jsonl(run / "events.jsonl") if run.exists() else []
+            events = read_jsonl(run / "events.jsonl", missing_ok=True) if run.exists() else []
             preempted = [e for e in events if e.get("kind") == "preempted"]
             if preempted:
                 saved = preempted[0]["step"]
                 resumes = [e for e in events if e.get("kind") == "resume"]
-                steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
+                steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl", missing_ok=True)]
                 resumed_past = bool(resumes) and steps[-1:] > [saved] and steps.count(saved + 1) >= 1
             if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and job.get("Restarts") == "1" \
                     and not resumed_past:
@@ -243,7 +238,7 @@ def test_the_time_limit_signal_saves_an_emergency_checkpoint_and_the_requeued_jo
             time.sleep(1.0)
     log = "".join(p.read_text() for p in sorted(tmp_path.glob("slurm-*.out")))
     assert resumed_past, (history, log[-4000:])
-    events = read_jsonl(run / "events.jsonl")
+    events = read_jsonl(run / "events.jsonl", missing_ok=True)
     first_run = events[:next(i for i, e in enumerate(events) if e["kind"] == "preempted") + 1]
     assert [e["step"] for e in first_run if e["kind"] == "checkpoint_saved"][-1:] == [saved], first_run[-5:]
     assert [e["restored_step"] for e in events if e["kind"] == "resume"] == [saved]
@@ -369,7 +364,7 @@ def test_an_isolation_survives_a_requeue_that_ends_the_script_at_once(tmp_path):
     env = fake_slurm(tmp_path, NODE_B_CRASHES.replace('[[ -n "$FAKE_EXCLUDED" ]] && exit 0',
                                                       '[[ -n "$FAKE_EXCLUDED" ]] && exit 1'))
     env.update({"JAX_PLATFORMS": "cpu", "STEP_RESTARTS": "1", "MAX_REQUEUES": "1", "FAKE_REQUEUE_KILLS": "1"})
-    script = ["bash", str(SBATCH), str(TINY), "data.global_batch_size=8", "--cpu-devices", "2"]
+    script = ["bash", str(SBATCH), TINY, "data.global_batch_size=8", "--cpu-devices", "2"]
     r = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == -9 and "isolating node node-b" in r.stdout, r.stdout + r.stderr
     log = (tmp_path / "log").read_text()
@@ -425,7 +420,7 @@ def test_a_node_failing_first_twice_is_left_out_of_the_allocation(tmp_path, plat
     env = fake_slurm(tmp_path, NODE_B_CRASHES)
     env.update({"JAX_PLATFORMS": "cpu"} if platform == "cpu" else {"SLURM_GPUS_ON_NODE": "8"})
     overrides = ["data.global_batch_size=8"] if platform == "cpu" else []
-    r = subprocess.run(["bash", str(SBATCH), str(TINY), *overrides, *devices], cwd=tmp_path, env=env,
+    r = subprocess.run(["bash", str(SBATCH), TINY, *overrides, *devices], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "first failure: task 1 on node node-b (exit 1; 2 attempt(s) in a row)" in r.stdout
@@ -451,7 +446,7 @@ def test_a_requeued_job_keeps_its_isolated_node_out_of_the_new_allocation(tmp_pa
     env = fake_slurm(tmp_path, NODE_B_CRASHES.replace('[[ -n "$FAKE_EXCLUDED" ]] && exit 0',
                                                       '[[ -n "$FAKE_EXCLUDED" ]] && exit 1'))
     env.update({"JAX_PLATFORMS": "cpu", "STEP_RESTARTS": "1", "MAX_REQUEUES": "1"})
-    r = subprocess.run(["bash", str(SBATCH), str(TINY), "data.global_batch_size=8", "--cpu-devices", "2"],
+    r = subprocess.run(["bash", str(SBATCH), TINY, "data.global_batch_size=8", "--cpu-devices", "2"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "isolating node node-b" in r.stdout and "requeueing (requeue 1 of 1)" in r.stdout
@@ -486,7 +481,7 @@ def test_a_node_the_runs_hang_events_blame_is_left_out_and_a_plain_exit_75_blame
     env.update({"JAX_PLATFORMS": "cpu", "FAKE_EVENTS": str(run / "events.jsonl")})
     if hang:
         env["FAKE_HANG"] = "1"
-    r = subprocess.run(["bash", str(SBATCH), str(TINY), "data.global_batch_size=8", f"run.output_dir={run}",
+    r = subprocess.run(["bash", str(SBATCH), TINY, "data.global_batch_size=8", f"run.output_dir={run}",
                         "--cpu-devices", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     if hang:
         assert r.returncode == 0, r.stdout + r.stderr

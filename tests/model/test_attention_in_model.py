@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from trees import assert_trees_close, assert_trees_differ
 
-import kernels
+import jaxtrain.kernels as kernels
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model.attention import attend, repeat_kv_heads, resolve_attention
 from jaxtrain.parallel.sharding import Partitioning, global_batch

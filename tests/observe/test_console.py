@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
+from helpers import TINY
 
 from jaxtrain import env
 from jaxtrain.config import load_config
@@ -22,8 +23,6 @@ from jaxtrain.observe import throughput
 from jaxtrain.observe.runlog import RunLog, read_log
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=8", "data.seq_len=32"]
 
 # A `start` event as the trainer writes it: every detail, most of which the console leaves out.
@@ -216,7 +215,7 @@ def test_peak_cache_file_honors_xdg_and_the_override():
 def test_ctrl_c_says_what_was_saved_and_how_to_resume(tmp_path):
     out = tmp_path / "run"
     # A slowed host (50 ms per step, same numerics) so the signal lands mid-run.
-    command = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), f"run.output_dir={out}",
+    command = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
                "checkpoint.compilation_cache_dir=null", *SMALL, "train.steps=400", "train.log_every=1",
                "checkpoint.every_steps=1000", "chaos.slow_seconds=0.05", "--cpu-devices", "1"]
     environ = {**os.environ, env.PEAK_CACHE: str(tmp_path / "peak_flops.json")}

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY
 
 from jaxtrain.config import ConfigError
 from jaxtrain.observe.goodput import PARTS, goodput, main
 
-TINY = Path(__file__).resolve().parents[2] / "configs/tiny.yaml"
 
 
 def write_run(run: Path, events: list[dict], metrics: list[dict]) -> Path:
@@ -191,7 +191,7 @@ def test_a_real_run_with_a_hang_and_a_restart(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
     r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
-                        "--max-restarts", "1", "--grace-period-s", "2", "--", "train", "--config", str(TINY),
+                        "--max-restarts", "1", "--grace-period-s", "2", "--", "train", "--config", TINY,
                         "train.steps=8", "train.log_every=1", "data.global_batch_size=8", "checkpoint.every_steps=3",
                         "checkpoint.async_save=false", "fault.hang_timeout_s=3", "chaos.hang_at_step=4",
                         "chaos.hang_process=1", f"run.output_dir={out}",

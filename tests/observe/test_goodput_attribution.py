@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import jax
 import pytest
+from helpers import TINY
 from test_goodput import write_run
 
 from jaxtrain.config import load_config
@@ -20,7 +20,6 @@ from jaxtrain.observe.goodput import goodput
 from jaxtrain.train.evaluation import Evaluator
 from jaxtrain.trainer import Trainer
 
-TINY = Path(__file__).resolve().parents[2] / "configs/tiny.yaml"
 
 
 

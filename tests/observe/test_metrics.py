@@ -74,7 +74,7 @@ def test_collectives_inside_loops_count_per_trip_with_wire_bytes_per_group():
 
 
 def test_replica_group_sizes_in_every_spelling():
-    from jaxtrain.observe.profiling import replica_group_size
+    from jaxtrain.observe.hlo import replica_group_size
     assert replica_group_size("replica_groups={{0,1,2},{3,4,5}}, to_apply=%add", 8) == 3
     assert replica_group_size("replica_groups=[4,2]<=[4,2]T(1,0), dimensions={0}", 8) == 2
     assert replica_group_size("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_3'=2] {'axis_3'}, x", 8) == 2

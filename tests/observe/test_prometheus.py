@@ -20,14 +20,13 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from helpers import REPO, TINY
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxtrain.fault.stragglers import Stragglers
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.observe.prometheus import Exporter, local_index, textfile_path
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 MONITORING = REPO / "tpu_gpu_setup" / "monitoring"
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "data.global_batch_size=8",
          "data.seq_len=16", "train.log_every=1"]

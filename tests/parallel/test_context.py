@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, mesh_of
 from independent_attention import attention_fwd_bwd
 from triton_stand_in import fake_jax_triton  # noqa: F401  (a fixture: Triton's kernels on the CPU)
 from jax.sharding import NamedSharding
@@ -26,11 +27,6 @@ from jaxtrain.parallel.sharding import Partitioning
 from jaxtrain.config import DEFAULT_RULES
 
 B, N, K, H = 4, 4, 2, 8
-
-
-def mesh_of(**sizes) -> jax.sharding.Mesh:
-    shape = tuple(sizes.get(a, 1) for a in AXES)
-    return jax.make_mesh(shape, AXES, devices=jax.devices()[:int(np.prod(shape))])
 
 
 def packed_inputs(seed: int, L: int):
@@ -154,10 +150,8 @@ def test_local_checkpoint_meshes_compare_without_size_one_axes():
 def test_a_bad_context_config_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(repo / "configs/tiny.yaml"),
+    result = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
                              f"run.output_dir={out}", "mesh.context=8", "mesh.data=1", "data.seq_len=24",
                              "--cpu-devices", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]

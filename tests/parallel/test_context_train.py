@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import TINY
 from trees import assert_trees_close, assert_trees_differ
 
 from jaxtrain.config import load_config
@@ -21,7 +21,6 @@ from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
 from jaxtrain.xla_cpu import cpu_xla_flags
 
-REPO = Path(__file__).resolve().parents[2]
 
 L = 64
 SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
@@ -156,7 +155,7 @@ def test_jaxtrain_train_runs_context_parallel_with_its_own_cpu_flags(tmp_path, j
     failed at its first step ("Instruction with unsupported layout in YNN fusion"): the loss
     all-gathered its dx over `context`, and the gather's length-major layout reached a YNN fusion."""
     out = tmp_path / "run"
-    r = jaxtrain_train("--config", str(REPO / "configs/tiny.yaml"), "--cpu-devices", "8", "data.seq_len=512",
+    r = jaxtrain_train("--config", TINY, "--cpu-devices", "8", "data.seq_len=512",
                        "model.max_seq_len=512", "mesh.context=4", "mesh.data=2", "train.steps=3", "train.log_every=1",
                        "checkpoint.save_at_end=false", f"run.output_dir={out}", cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -175,7 +174,7 @@ def test_jaxtrain_train_runs_sequence_parallel_with_its_own_cpu_flags(tmp_path, 
     YNNPACK for dots and reductions for such configs (jaxtrain/xla_cpu.py)."""
     from jaxtrain.xla_cpu import YNN_FUSIONS, YNN_FUSIONS_NO_ELTWISE
     out = tmp_path / "run"
-    r = jaxtrain_train("--config", str(REPO / "configs/tiny.yaml"), "--cpu-devices", "8", "data.seq_len=512",
+    r = jaxtrain_train("--config", TINY, "--cpu-devices", "8", "data.seq_len=512",
                        "model.max_seq_len=512", "mesh.context=2", "mesh.tensor=2", "mesh.data=2", SEQUENCE_PARALLEL,
                        "train.steps=3", "train.log_every=1", "checkpoint.save_at_end=false", f"run.output_dir={out}",
                        cwd=tmp_path)

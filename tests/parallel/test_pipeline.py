@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 from jax.sharding import NamedSharding, PartitionSpec as P
 from trees import assert_trees_close, assert_trees_differ, assert_trees_equal
 
@@ -31,7 +32,6 @@ from jaxtrain.parallel.sharding import Partitioning, global_batch
 from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
 BASE = [
     "model.vocab_size=64", "model.d_model=32", "model.num_layers=8", "model.num_heads=4",
     "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64", "model.attention=xla",
@@ -318,7 +318,7 @@ def inspect_json() -> dict:
     """`jaxtrain inspect --json` (in this process, on the 8 simulated devices) for INSPECT."""
     out = io.StringIO()
     with redirect_stdout(out):
-        assert cli.main(["inspect", "--config", str(REPO / "configs/tiny.yaml"), "--json", *BASE, *INSPECT]) == 0
+        assert cli.main(["inspect", "--config", TINY, "--json", *BASE, *INSPECT]) == 0
     return json.loads(out.getvalue())
 
 
@@ -337,7 +337,7 @@ def test_iteration_remat_bounds_pipeline_memory(inspect_json):
     temporary memory per device is a fraction of what the same step needs without it. (Measured
     on this config: 0.60 MiB with, 2.48 MiB without, 0.24x; 0.14-0.24x at longer sequences,
     larger batches and with R=2.)"""
-    without = inspect_report(load_config(REPO / "configs/tiny.yaml", BASE + INSPECT + ["pipeline.remat_iterations=false"]))
+    without = inspect_report(load_config(TINY, BASE + INSPECT + ["pipeline.remat_iterations=false"]))
     with_remat = inspect_json["memory_bytes_per_device"]
     assert with_remat["arguments"] == without["memory_bytes_per_device"]["arguments"]  # the same state
     assert with_remat["temporaries"] <= 0.5 * without["memory_bytes_per_device"]["temporaries"], (
@@ -514,7 +514,7 @@ def test_bad_pipeline_layout_is_refused_in_phase_2(overrides, message):
 
 def test_bad_pipeline_config_exits_2_through_the_cli(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(REPO / "configs/tiny.yaml"),
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
                         f"run.output_dir={out}", "mesh.stage=-1", "mesh.data=2", "pipeline.microbatches=4",
                         "model.num_layers=6", "--cpu-devices", "8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
@@ -532,7 +532,7 @@ RUN = ["train.steps=10", "train.log_every=1", "checkpoint.every_steps=2", "model
 
 
 def train(out: Path, cache: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(REPO / "configs/tiny.yaml"),
+    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
            f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={cache}", *RUN, *extra, "--cpu-devices", "8"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 

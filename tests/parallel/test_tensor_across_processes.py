@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY
 from trees import assert_trees_close, final_params
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 RUN = ["train.steps=4", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "mesh.data=1",
        "mesh.tensor=4", "checkpoint.async_save=false"]
 
@@ -32,11 +32,11 @@ def test_a_tensor_ring_across_two_processes_trains_like_one_process(tmp_path, ch
     cache = [f"checkpoint.compilation_cache_dir={child_env['CACHE']}"]
     two, one = tmp_path / "two", tmp_path / "one"
     r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "2",
-                        "--max-restarts", "0", "--", "train", "--config", str(TINY), *RUN, *cache,
+                        "--max-restarts", "0", "--", "train", "--config", TINY, *RUN, *cache,
                         f"run.output_dir={two}"], env=child_env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), "--cpu-devices", "4",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, "--cpu-devices", "4",
                         *RUN, *cache, f"run.output_dir={one}"], env=child_env, cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

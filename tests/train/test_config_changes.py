@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import TINY, read_jsonl
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.train import config_changes
@@ -19,8 +20,6 @@ from jaxtrain.train.config_changes import Change, check_changes, diff_configs, r
 from jaxtrain.train.optim import learning_rate_schedule
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs/tiny.yaml")
 # The cheapest run: 4 steps of a one-layer model, warmup of one step so the cosine part is real.
 SMALL = ["train.steps=4", "train.log_every=1", "optim.warmup_steps=1", "model.num_layers=1", "model.d_model=32",
          "model.mlp_dim=64", "data.global_batch_size=8", "data.seq_len=32"]
@@ -29,10 +28,6 @@ SMALL = ["train.steps=4", "train.log_every=1", "optim.warmup_steps=1", "model.nu
 def cfg_of(out: Path | None = None, *extra: str):
     where = [f"run.output_dir={out}"] if out is not None else []
     return load_config(TINY, [*SMALL, "checkpoint.compilation_cache_dir=null", *where, *extra])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import TINY
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.data import build_eval_data
@@ -16,7 +17,6 @@ from jaxtrain.observe.throughput import Throughput
 from jaxtrain.train.evaluation import Evaluator, eval_batch_plan
 from jaxtrain.trainer import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs/tiny.yaml")
 
 
 def test_eval_loss_is_the_mean_cross_entropy_of_the_model_on_the_eval_batches(tmp_path):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 
 from trees import assert_trees_equal
 
@@ -50,7 +51,6 @@ def test_scale_never_grows_into_infinity():
 
 # ----------------------------------------------------------------------------- the scaler in the step
 
-TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.yaml")
 ONE_LAYER = ["model.num_layers=1", "checkpoint.compilation_cache_dir=null"]
 
 

@@ -10,19 +10,17 @@ old detector flagged those steps as spikes and rolled healthy runs back until th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import TINY, read_jsonl
 from real_text import make_real_text
 
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 STEPS = 130  # warmup 100 and 30 steps after it
 
 
@@ -36,10 +34,6 @@ def real_config(corpus, out: Path, *overrides: str):
     return load_config(TINY, [f"run.output_dir={out}", "data.source=tokens", f"data.path={corpus.train}",
                               f"model.vocab_size={corpus.vocab_size}", "data.seq_len=128", "model.max_seq_len=128",
                               f"train.steps={STEPS}", "checkpoint.compilation_cache_dir=null", *overrides])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("warmup", [10, 100])

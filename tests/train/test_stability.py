@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import TINY, read_jsonl
 from jax.extend import core as jax_core
 from trees import assert_trees_equal, named_leaves
 
@@ -27,13 +28,7 @@ from jaxtrain.train.precision import compute_dtype
 from jaxtrain.train.step import loss_sum
 from jaxtrain.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs/tiny.yaml"
 SMALL = ["model.num_layers=1", "data.global_batch_size=8", "data.seq_len=32", "checkpoint.compilation_cache_dir=null"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def trainer(tmp_path, *overrides, devices=1, write_files=False) -> Trainer:
@@ -355,7 +350,7 @@ ROLLBACK = ["train.steps=60", "train.log_every=1", "checkpoint.every_steps=10", 
 
 def train(out: Path, *extra: str, attempt: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": "", "JAXTRAIN_RESTART_ATTEMPT": str(attempt)}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY), f"run.output_dir={out}",
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
                            *SMALL, *ROLLBACK, *extra, "--cpu-devices", "1"], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -560,7 +555,7 @@ def test_bad_numerics_keys_are_config_errors(override, message):
 
 
 def test_bad_numerics_key_exits_2_through_the_cli(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(TINY),
+    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
                         f"run.output_dir={tmp_path / 'r'}", "stability.window=0"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
 

@@ -5,8 +5,8 @@
    against the xla reference, outputs and dq/dk/dv, relative error max|a-b| / max|b|.
 2. Speed: forward and forward+backward TFLOP/s for seq 2k/4k/8k/16k, head_dim 64/128, causal,
    bf16, with batch * seq = 16k tokens and heads * head_dim = 2048 (d_model 2048), so every row
-   does the same matmul work per token. FLOPs from kernels.attention_flops (causal = half) and
-   kernels.attention_training_flops (backward = 2.5x forward, the FlashAttention convention).
+   does the same matmul work per token. FLOPs from jaxtrain.kernels.attention_flops (causal = half) and
+   jaxtrain.kernels.attention_training_flops (backward = 2.5x forward, the FlashAttention convention).
 
 Prints a table; with $OUT set (or --out DIR) also writes attention_check.json and
 attention_check.md there, rewritten after every row so a run cut short still leaves its results.
@@ -27,16 +27,16 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `kernels`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: jaxtrain (and its kernels)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import attention_flops, attention_training_flops, mha_reference  # noqa: E402
-from kernels.cudnn_attention import cudnn_flash_attention  # noqa: E402
-from kernels.pallas_attention import pallas_flash_attention  # noqa: E402
-from kernels.testing import TOLERANCE, random_inputs, relative_error, time_call  # noqa: E402
+import jaxtrain.kernels as kernels  # noqa: E402
+from jaxtrain.kernels import attention_flops, attention_training_flops, mha_reference  # noqa: E402
+from jaxtrain.kernels.cudnn_attention import cudnn_flash_attention  # noqa: E402
+from jaxtrain.kernels.pallas_attention import pallas_flash_attention  # noqa: E402
+from jaxtrain.kernels.testing import TOLERANCE, random_inputs, relative_error, time_call  # noqa: E402
 
 IMPLEMENTATIONS = ("triton", "pallas", "cudnn", "xla")
 
@@ -65,7 +65,7 @@ def make_implementations() -> dict:
     try:
         import jax_triton  # noqa: F401  (fails early and clearly if missing or incompatible)
 
-        from kernels.triton_attention import triton_flash_attention
+        from jaxtrain.kernels.triton_attention import triton_flash_attention
 
         impls["triton"] = triton_flash_attention
     except Exception as exc:  # noqa: BLE001 - report, do not crash

@@ -61,7 +61,7 @@ esac
 import importlib
 missing = []
 for name in ("jax", "flax", "optax", "orbax.checkpoint", "tensorstore", "grain", "yaml", "numpy",
-             "tokenizers", "tensorboardX", "jaxtrain", "kernels"):
+             "tokenizers", "tensorboardX", "jaxtrain", "jaxtrain.kernels"):
     try:
         importlib.import_module(name)
     except Exception as e:

@@ -7,6 +7,8 @@ simulated processes: one thread each, each with its own client of one in-memory 
 service that counts the calls (RPCs) and bytes of every process, and the keys and barriers left in
 the service afterwards. No JAX devices are used. `bench/bench_coordination.py` prints the table and
 `tests/fault/test_coordination_scale.py` holds it to O(1) calls per process and O(P) per job.
+A test stand-in, not part of the installed package (tests/ is on the tests' path; the benchmark
+puts it on its own).
 
 The fake implements the subset of `DistributedRuntimeClient` that jaxtrain uses, with the real
 service's semantics where they matter: `wait_at_barrier` counts its timeout from the first

@@ -1,0 +1,44 @@
+"""What many tests repeat: the repository's paths, a run log's lines, a free port, a small mesh.
+
+Imported as `from helpers import ...` (tests/conftest.py puts tests/ on sys.path). Kept light:
+no JAX import until `mesh_of` is called (tests/storage_servers.py, which bench/ uses too,
+imports `free_port` from here).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs/tiny.yaml")  # a str: it goes into argv lists as well as load_config
+
+
+def read_jsonl(path: Path, missing_ok: bool = False) -> list[dict]:
+    """A local .jsonl file's records, one per line; a missing file is [] with missing_ok, else an error."""
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mesh_of(*, axes: tuple[str, ...] | None = None, devices=None, **sizes):
+    """`jax.make_mesh` over `axes` (jaxtrain's AXES by default), each axis `sizes.get(axis, 1)`
+    long, on the first devices of `devices` (default jax.devices())."""
+    import jax
+    import numpy as np
+
+    if axes is None:
+        from jaxtrain.parallel.mesh_shape import AXES as axes
+    unknown = set(sizes) - set(axes)
+    assert not unknown, f"mesh_of: no axis {sorted(unknown)} in {axes}"
+    shape = tuple(sizes.get(a, 1) for a in axes)
+    devices = list(devices if devices is not None else jax.devices())[:int(np.prod(shape))]
+    return jax.make_mesh(shape, axes, devices=devices)
