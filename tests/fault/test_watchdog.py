@@ -378,7 +378,7 @@ def test_the_hang_event_as_written_is_read_by_blame_and_goodput(monkeypatch, tmp
     from jaxtrain.launch.policy import blamed_process
     from jaxtrain.launch.recovery_cli import print_blame
     from jaxtrain.observe.goodput import goodput
-    from tests.observe.test_goodput import EVENTS, METRICS, write_run
+    from goodput_run import EVENTS, METRICS, write_run
 
     now = clock.time()
     kv = FakeKV({p: {"step": 3, "phase": "step", "beat": now - 9, "time": now - 0.5,

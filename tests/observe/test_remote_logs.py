@@ -246,7 +246,7 @@ def test_goodput_and_blame_read_a_run_in_segments_like_its_local_copy(recording,
     from jaxtrain.launch import runfiles
     from jaxtrain.launch.recovery_cli import print_blame
     from jaxtrain.observe.goodput import goodput
-    from tests.observe.test_goodput import EVENTS, METRICS, write_run
+    from goodput_run import EVENTS, METRICS, write_run
 
     monkeypatch.setattr(storage, "SEGMENT_BYTES", 400, raising=False)
     url = f"s3://{BUCKET}/goodput"
