@@ -20,6 +20,7 @@ drills (`chaos.py`), the agreed stop/save decision (`preemption.py`), checkpoint
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -93,15 +94,17 @@ def _rule_axes(target) -> list[str]:
     return [a for a in (target if isinstance(target, list) else [target]) if a is not None]
 
 
+@dataclasses.dataclass
 class _Pending:
     """A step queued on the device whose metrics have not been read yet."""
 
-    def __init__(self, step: int, metrics: dict, data_wait_s: float, evaluation: PendingEval | None,
-                 eval_s: float = 0.0, batch: int | None = None):
-        self.step, self.metrics, self.data_wait_s, self.evaluation = step, metrics, data_wait_s, evaluation
-        self.batch = batch  # the data position of the batch it drew (where a rollback must skip past)
-        self.values: dict | None = None  # the metrics as Python values, once read
-        self.eval_s = eval_s  # host seconds spent queueing this step's evaluation
+    step: int
+    metrics: dict  # device values
+    data_wait_s: float
+    evaluation: PendingEval | None
+    eval_s: float = 0.0  # host seconds spent queueing this step's evaluation
+    batch: int | None = None  # the data position of the batch it drew (where a rollback must skip past)
+    values: dict | None = None  # the metrics as Python values, once read
 
 
 class Trainer:
