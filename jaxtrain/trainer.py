@@ -250,6 +250,7 @@ class Trainer:
         self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self._event, guard=self.guard)
         self.rollbacks.finish_interrupted()
         self.resumed_from: int | None = None
+        self._config_checked = False  # the stored config is compared once, before the first restore
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
         # checkpoint.local_every_steps: the local tier, restored first when newer (checkpoint/local_tier.py)
         self.local = (LocalTier(cfg.checkpoint, self.output_dir, on_event=self._event)
@@ -309,7 +310,7 @@ class Trainer:
         trained stops the run (ConfigError, nothing written yet); any change is recorded as a
         `config_changed` event (jaxtrain/train/config_changes.py). Once: a local restore that falls
         back to the persistent tier was checked when it was planned."""
-        if getattr(self, "_config_checked", False):
+        if self._config_checked:
             return
         self._config_checked = True
         changed = check_resume(self.cfg, join(self.output_dir, "checkpoints"), step, persistent=persistent,
