@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.checkpoint.checkpointer import Checkpointer
     from jaxtrain.config import CheckpointConfig
 
     mesh = jax.make_mesh((1, 1, args.devices, 1), ("data", "stage", "fsdp", "tensor"))

@@ -7,7 +7,7 @@ Measures, in one process and interleaved so machine noise hits both alike:
   - the cpu-tiny train step (configs/bench/cpu-tiny.yaml): median step time over `--steps` steps
     after compilation, tokens/s, model TFLOP/s and MFU = model FLOP/s / matmul peak;
   - the load average at the start and the end (speed claims need a quiet machine: load ~1).
-Unless --no-flags, XLA gets the CPU flags of jaxtrain/xla_cpu.py (printed in the output).
+Unless --no-flags, XLA gets the CPU flags of jaxtrain/runtime/xla_cpu.py (printed in the output).
 
 --bounds adds what bounds the step: every matmul of the step (layers, attention, the chunked
 head; forward and backward) timed alone at its own shape, so "matmul floor" is the step time if
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from jaxtrain.xla_cpu import cpu_xla_flags, with_flags  # noqa: E402  (no JAX import)
+from jaxtrain.runtime.xla_cpu import cpu_xla_flags, with_flags  # noqa: E402  (no JAX import)
 
 
 def configure_xla(use_flags: bool) -> list[str]:
@@ -130,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps (after the first, which compiles)")
     parser.add_argument("--repeats", type=int, default=3, help="matmul peak measurements interleaved with the steps")
-    parser.add_argument("--no-flags", action="store_true", help="run XLA without jaxtrain/xla_cpu.py")
+    parser.add_argument("--no-flags", action="store_true", help="run XLA without jaxtrain/runtime/xla_cpu.py")
     parser.add_argument("--bounds", action="store_true", help="also time every matmul shape alone and profile a step")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model.scan_layers=false")
     args = parser.parse_args()

@@ -4,8 +4,8 @@ active parameters (mlp_dim = experts_per_token x moe_mlp_dim, + shared), on the 
   python bench/bench_moe.py [--steps 30] [--rounds 3] [--cpu-devices 1] [--outside 50,1050] [override ...]
 
 Each variant runs in its own process, set up as `jaxtrain train` sets up the CPU: the XLA flags of
-jaxtrain/xla_cpu.py (the same for both) and glibc malloc keeping freed memory
-(jaxtrain/host_malloc.py; without it the MoE step's time depends on how many of its buffers glibc
+jaxtrain/runtime/xla_cpu.py (the same for both) and glibc malloc keeping freed memory
+(jaxtrain/runtime/host_malloc.py; without it the MoE step's time depends on how many of its buffers glibc
 returns to the kernel at each step).
 
 - own timer: both workers are built and compiled once, then timed in alternating rounds (each
@@ -57,10 +57,10 @@ def worker(name: str, steps: int, cpu_devices: int, overrides: list[str]) -> Non
     print each round's seconds per step; 'info' prints flops_per_step, tokens and the matmul peak."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxtrain.config import load_config
-    from jaxtrain.xla_cpu import cpu_xla_flags, with_flags  # no JAX import yet
+    from jaxtrain.runtime.xla_cpu import cpu_xla_flags, with_flags  # no JAX import yet
     os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags()
                                          + [f"--xla_force_host_platform_device_count={cpu_devices}"])
-    from jaxtrain.host_malloc import retain_freed_memory
+    from jaxtrain.runtime.host_malloc import retain_freed_memory
     retain_freed_memory()
     import jax
 

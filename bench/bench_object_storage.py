@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bench_checkpoint import machine
-    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.checkpoint.checkpointer import Checkpointer
     from jaxtrain.config import CheckpointConfig
     from storage_servers import storage_servers
 

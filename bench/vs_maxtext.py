@@ -29,9 +29,9 @@ MFU = model FLOP/s / the best plain jitted fp32 1024^2 matmul measured in the ru
 measures its own at start-up, logged in events.jsonl; MaxText's is measured with its venv's jax
 right before each of its runs).
 
-XLA flags: by default both sides get the CPU flags of jaxtrain/xla_cpu.py (`--peer-flags
+XLA flags: by default both sides get the CPU flags of jaxtrain/runtime/xla_cpu.py (`--peer-flags
 same`); `--peer-flags none` runs MaxText with its defaults, `--no-flags` runs both without.
-glibc malloc: `jaxtrain train` keeps freed memory on the CPU (jaxtrain/host_malloc.py); MaxText
+glibc malloc: `jaxtrain train` keeps freed memory on the CPU (jaxtrain/runtime/host_malloc.py); MaxText
 gets the same settings as environment variables (`--peer-malloc same`, the default) or glibc's
 defaults (`--peer-malloc default`).
 
@@ -62,8 +62,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from jaxtrain.host_malloc import env_equivalent  # noqa: E402  (no JAX import)
-from jaxtrain.xla_cpu import cpu_xla_flags  # noqa: E402
+from jaxtrain.runtime.host_malloc import env_equivalent  # noqa: E402  (no JAX import)
+from jaxtrain.runtime.xla_cpu import cpu_xla_flags  # noqa: E402
 
 PEER_MALLOC: dict[str, str] = {}  # MaxText's glibc malloc variables (--peer-malloc), set in main
 

@@ -14,11 +14,11 @@ import time
 
 _STARTED_AT = time.time()  # before JAX is imported: restart_to_first_step_s counts from here
 
-from jaxtrain import env  # noqa: E402
+from jaxtrain.runtime import env  # noqa: E402
 from jaxtrain.arguments import Parser, add_run_arguments, parse, train_parser  # noqa: E402
-from jaxtrain.checkpoint.storage import TransientStorageError  # noqa: E402  (no JAX import)
+from jaxtrain.storage.object_store import TransientStorageError  # noqa: E402  (no JAX import)
 from jaxtrain.config import Config, ConfigError  # noqa: E402
-from jaxtrain.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE  # noqa: E402
+from jaxtrain.runtime.exit_codes import EXIT_OK, EXIT_RESTART, EXIT_USAGE  # noqa: E402
 
 
 def _set_cpu_devices(n: int | None) -> None:
@@ -35,11 +35,11 @@ def _set_cpu_devices(n: int | None) -> None:
 
 
 def _set_cpu_flags(cpu_devices: int | None, cfg: Config | None = None) -> None:
-    """On the CPU, XLA's faster CPU paths (jaxtrain/xla_cpu.py: YNNPACK for elementwise ops and
+    """On the CPU, XLA's faster CPU paths (jaxtrain/runtime/xla_cpu.py: YNNPACK for elementwise ops and
     reductions too, wide vectors): 10-15% less step time, the same numerics to fp32 rounding.
     Flags the user set win; machines with an accelerator are left alone. `cfg` picks the flags that
     config runs with (no elementwise fusions under sequence parallelism)."""
-    from jaxtrain.xla_cpu import cpu_xla_flags, with_flags
+    from jaxtrain.runtime.xla_cpu import cpu_xla_flags, with_flags
     if _on_cpu(cpu_devices):
         os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags(cfg))
 
@@ -47,7 +47,7 @@ def _set_cpu_flags(cpu_devices: int | None, cfg: Config | None = None) -> None:
 def _on_cpu(cpu_devices: int | None) -> bool:
     """Whether this process runs JAX on the CPU (simulated devices asked for, JAX_PLATFORMS=cpu, or
     no sign of a GPU or TPU)."""
-    from jaxtrain.xla_cpu import has_accelerator_hint
+    from jaxtrain.runtime.xla_cpu import has_accelerator_hint
     return cpu_devices is not None or os.environ.get("JAX_PLATFORMS", "") == "cpu" or not has_accelerator_hint()
 
 
@@ -55,13 +55,13 @@ def _start_jax(cpu_devices: int | None, cfg: Config) -> None:
     """Configure XLA and the host's malloc for `cfg`, then join the job. Joining waits for every
     process for up to fault.startup_timeout_s (the start-up deadline covers distributed init; pods
     of one job may start minutes apart)."""
-    if _on_cpu(cpu_devices):  # XLA:CPU's buffers are malloc'd at every step (jaxtrain/host_malloc.py)
-        from jaxtrain.host_malloc import retain_freed_memory
+    if _on_cpu(cpu_devices):  # XLA:CPU's buffers are malloc'd at every step (jaxtrain/runtime/host_malloc.py)
+        from jaxtrain.runtime.host_malloc import retain_freed_memory
         retain_freed_memory()
     if "jax" not in sys.modules:  # flags are read when the backend starts: too late in a notebook
         _set_cpu_flags(cpu_devices, cfg)
     _set_cpu_devices(cpu_devices)
-    from jaxtrain.launch import distributed
+    from jaxtrain.runtime import distributed
     distributed.initialize(timeout_s=cfg.fault.startup_timeout_s)
 
 
@@ -182,7 +182,7 @@ def _inspect(argv: list[str]) -> int:
 def _preflight(argv: list[str]) -> int:
     """`jaxtrain preflight --config PATH [key=value ...] [--cpu-devices N] [--json]`: the check alone."""
     from jaxtrain.config import load_config
-    from jaxtrain.exit_codes import EXIT_RESTART
+    from jaxtrain.runtime.exit_codes import EXIT_RESTART
     p = Parser(prog="jaxtrain preflight", description="Measure every process's devices and links; name the bad ones.")
     add_run_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -226,7 +226,7 @@ COMMANDS = {
     "launch": (_passthrough("jaxtrain.launch.supervisor"), "start and supervise several local processes of one job"),
     "recovery": (_passthrough("jaxtrain.launch.recovery_cli"), "for scheduler scripts: after a failed attempt, restart, isolate a node or give up"),
     "prepare-data": (_passthrough("jaxtrain.data.prepare"), "tokenize text/jsonl files into token files"),
-    "checkpoints": (_passthrough("jaxtrain.checkpoint"), "list the checkpoints of a run directory"),
+    "checkpoints": (_passthrough("jaxtrain.checkpoint.layout"), "list the checkpoints of a run directory"),
     "preflight": (_preflight, "measure every process's devices and links; name the bad ones"),
     "profile-summary": (_passthrough("jaxtrain.observe.profiling"), "split a run's profiled steps into compute, collectives and waits"),
     "import-hf": (_passthrough("jaxtrain.hf.importer"), "convert a Hugging Face Llama checkpoint for jaxtrain"),

@@ -34,16 +34,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain import __version__, env, host_malloc
-from jaxtrain.checkpoint import Checkpointer, enable_compilation_cache, restore_params_only
+from jaxtrain import __version__
+from jaxtrain.runtime import env, host_malloc
+from jaxtrain.checkpoint.checkpointer import Checkpointer, restore_params_only
+from jaxtrain.runtime.compilation_cache import enable_compilation_cache
 from jaxtrain.checkpoint.checkpointer import restore_latest_read_only
-from jaxtrain.checkpoint.compilation_cache import last_compile_s, shared_cache_run_dir
+from jaxtrain.runtime.compilation_cache import last_compile_s, shared_cache_run_dir
 from jaxtrain.checkpoint.local_tier import LocalTier
-from jaxtrain.checkpoint.paths import is_remote, join
-from jaxtrain.checkpoint.storage import check_access
+from jaxtrain.storage.paths import is_remote, join
+from jaxtrain.storage.object_store import check_access
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
-from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
+from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.fault.chaos import Chaos
 from jaxtrain.fault.preemption import HostSync, StopSignals, agree_on_startup_stop
 from jaxtrain.fault.preflight import local_matmul_check, run_preflight
@@ -620,7 +622,7 @@ class Trainer:
                        train_steps=self.cfg.train.steps,
                        entropy_floor=getattr(self.data, "entropy_floor", None),
                        peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
-                       # what XLA was started with (`jaxtrain train` adds jaxtrain/xla_cpu.py's on the CPU)
+                       # what XLA was started with (`jaxtrain train` adds jaxtrain/runtime/xla_cpu.py's on the CPU)
                        xla_flags=os.environ.get("XLA_FLAGS", "").split(), host_malloc=host_malloc.applied(),
                        **self._moe_start())
         self.throughput.restart(self._host_step)

@@ -28,7 +28,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 # tests' fake endpoints lack, 60 s per lookup (tests/storage_servers.py sets it for subprocesses).
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
-from jaxtrain.host_malloc import retain_freed_memory  # noqa: E402
+from jaxtrain.runtime.host_malloc import retain_freed_memory  # noqa: E402
 
 retain_freed_memory()  # what `jaxtrain train` does on the CPU: in-process Trainers run as it would
 
@@ -56,7 +56,7 @@ def child_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture
 def jaxtrain_train():
     """Run `jaxtrain train ARGS` in a subprocess as a user's shell would: without the suite's XLA flags
-    and settings, so the CLI picks its own (jaxtrain/xla_cpu.py: YNNPACK fusions, wide vectors), the
+    and settings, so the CLI picks its own (jaxtrain/runtime/xla_cpu.py: YNNPACK fusions, wide vectors), the
     flags that in-process Trainers here never see. Returns the CompletedProcess (text, captured)."""
     import subprocess
 

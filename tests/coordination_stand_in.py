@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import jax
 
-from jaxtrain.checkpoint import multihost
+from jaxtrain.runtime import multihost
 
 
 class FakeDeadlineExceeded(RuntimeError):
@@ -275,7 +275,7 @@ TIMEOUT_S = 60.0  # generous: 1,000 threads on 2 cores must not time out by acci
 def _checkpointer_stub(pid: int, directory: str, calls: Iterator[int]) -> Any:
     """A Checkpointer of process `pid` without Orbax behind it: its coordination methods are real."""
     from jaxtrain.checkpoint import checkpointer as ck_mod
-    from jaxtrain.checkpoint.layout import to_path
+    from jaxtrain.storage.paths import to_path
 
     ck = object.__new__(ck_mod.Checkpointer)
     ck.directory, ck.timeout_s, ck._on_event, ck._primary = to_path(directory), TIMEOUT_S, None, pid == 0
@@ -290,7 +290,7 @@ def measure_all(process_count: int, *, barrier_timeout_s: Optional[float] = None
     `barrier_timeout_s`: of the absent-process barrier (default: long enough for P threads on 2 cores)."""
     if barrier_timeout_s is None:
         barrier_timeout_s = max(0.5, process_count / 400)
-    from jaxtrain.checkpoint.multihost import barrier
+    from jaxtrain.runtime.multihost import barrier
     from jaxtrain.config import FaultConfig
     from jaxtrain.fault import preflight
     from jaxtrain.fault.preflight_plan import plan_rounds

@@ -40,7 +40,7 @@ _download = objects.download
 
 def download(request, response, storage, *args, **kwargs):
     try:
-        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        obj = object_store.get_file_obj(request.params["bucket_name"], request.params["object_id"])
         response["x-goog-generation"] = obj["generation"]
         response["x-goog-metageneration"] = obj["metageneration"]
     except Exception:
@@ -146,7 +146,7 @@ def storage_servers(log_dir: str | Path, buckets: list[str]) -> Iterator[dict]:
 
 def objects(url: str) -> list[str]:
     """Every object below `url`, fresh from the server (fsspec caches listings)."""
-    from jaxtrain.checkpoint import storage
-    fs = storage.filesystem(url)
+    from jaxtrain.storage import object_store
+    fs = object_store.filesystem(url)
     fs.invalidate_cache()
     return sorted(fs.find(url))

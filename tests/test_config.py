@@ -170,7 +170,7 @@ def test_inspect_works_from_shapes_alone_without_data(tmp_path):
 
 def test_cpu_runs_get_the_fast_xla_cpu_flags_unless_the_user_set_them(monkeypatch):
     from jaxtrain import cli
-    from jaxtrain.xla_cpu import YNN_FUSIONS, cpu_xla_flags
+    from jaxtrain.runtime.xla_cpu import YNN_FUSIONS, cpu_xla_flags
     assert YNN_FUSIONS in cpu_xla_flags()  # this machine's jaxlib is one the flags were checked with
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
     cli._set_cpu_flags(cpu_devices=2)

@@ -1,4 +1,4 @@
-"""jaxtrain/host_malloc.py: glibc keeps XLA:CPU's freed buffers, so a step stops paying page faults."""
+"""jaxtrain/runtime/host_malloc.py: glibc keeps XLA:CPU's freed buffers, so a step stops paying page faults."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import host_malloc
+from jaxtrain.runtime import host_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,9 +24,9 @@ MEASURED_STEPS = 60
 STEPS = """
 import json, os, resource, sys, tempfile
 MEASURED_STEPS = int(sys.argv[1])
-from jaxtrain import host_malloc
+from jaxtrain.runtime import host_malloc
 done = host_malloc.retain_freed_memory()
-from jaxtrain.xla_cpu import cpu_xla_flags, with_flags
+from jaxtrain.runtime.xla_cpu import cpu_xla_flags, with_flags
 os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags())
 import jax
 from jaxtrain.config import load_config

@@ -6,7 +6,8 @@ Layers, from the entry points down (README "Where things live", DESIGN §3):
     loop          trainer
     capabilities  fault/ observe/ train/ checkpoint/ data/ hf/   (may use each other, without cycles)
     core          model/ parallel/                  (model may use parallel, never the reverse)
-    base          config, arguments, exit_codes, env, xla_cpu, host_malloc, numerics
+    ground floor  storage/ runtime/                 (paths, buckets, logs; process set-up)
+    base          config, arguments, numerics
 
 `kernels/` stands apart: a top-level folder installed as `jaxtrain.kernels` (pyproject.toml's
 package-dir; a bare `kernels` is Hugging Face's package), the model calls into it and it imports
@@ -29,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 RANK = {"cli": 5, "launch": 5, "trainer": 4,
         "fault": 3, "observe": 3, "train": 3, "checkpoint": 3, "data": 3, "hf": 3,
         "model": 2, "parallel": 2,
-        "config": 1, "arguments": 1, "exit_codes": 1, "env": 1, "xla_cpu": 1,
-        "host_malloc": 1, "numerics": 1}
+        "storage": 1, "runtime": 1,
+        "config": 0, "arguments": 0, "numerics": 0}
 
 
 def modules(folder: str, package: str | None = None) -> dict[str, Path]:

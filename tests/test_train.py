@@ -41,9 +41,9 @@ def test_train_entry_point_writes_the_run_directory(tmp_path, config):
     assert start["kind"] == "start" and start["devices"] == 2 and start["mesh"]["data"] == 2
     assert start["params"] > 0 and 0 < start["entropy_floor"] < 5
     # XLA got the CPU flags, the same for a mixture of experts as for a dense model, and glibc keeps
-    # freed memory (jaxtrain/xla_cpu.py, jaxtrain/host_malloc.py)
-    from jaxtrain import host_malloc
-    from jaxtrain.xla_cpu import YNN_FUSIONS
+    # freed memory (jaxtrain/runtime/xla_cpu.py, jaxtrain/runtime/host_malloc.py)
+    from jaxtrain.runtime import host_malloc
+    from jaxtrain.runtime.xla_cpu import YNN_FUSIONS
     assert YNN_FUSIONS in start["xla_flags"], start["xla_flags"]
     assert not any("concurrency_optimized_scheduler" in f for f in start["xla_flags"]), start["xla_flags"]
     assert start["host_malloc"] == {name: value for name, (_, value) in host_malloc.SETTINGS.items()}

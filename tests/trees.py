@@ -58,7 +58,7 @@ def final_params(run_dir: Path) -> dict:
     """The parameters of a run directory's latest checkpoint, on one device (layout-free)."""
     from flax import nnx
 
-    from jaxtrain.checkpoint import restore_params_only
+    from jaxtrain.checkpoint.checkpointer import restore_params_only
     from jaxtrain.config import load_config
     from jaxtrain.model.llama import Transformer
 

@@ -1,12 +1,13 @@
 """Asynchronous, atomic, multi-host checkpoints of the training state (Orbax + TensorStore).
 
 Where things live: `checkpointer.py` (the Checkpointer: save/restore/retention/events),
-`layout.py` (on-disk format, commit marker, discovery, `jaxtrain checkpoints DIR`),
-`multihost.py` (barriers that name missing processes), `local_tier.py` (the node-local tier every few
-steps, replicated to a peer: `checkpoint.local_every_steps`), `compilation_cache.py` (fast restart),
-`s3_arrays.py` (jax.Array leaves on s3://, which Orbax 0.12 cannot route; see there),
-`storage.py` (bucket clients, access checks, atomic small-file writes) and `paths.py` (local
-paths and gs:// / s3:// URLs alike).
+`layout.py` (on-disk format, commit marker, discovery, the listing `jaxtrain checkpoints DIR` prints),
+`local_tier.py` (the node-local tier every few steps, replicated to a peer:
+`checkpoint.local_every_steps`), `replica_transfer.py` (its copies between hosts) and `s3_arrays.py`
+(jax.Array leaves on s3://, which Orbax 0.12 cannot route; see there). Paths, buckets and atomic
+small files are `jaxtrain.storage`; barriers and the compilation cache are `jaxtrain.runtime`.
+Import the module that owns a name (`from jaxtrain.checkpoint.checkpointer import Checkpointer`):
+this package has no facade, so importing it costs nothing.
 
 The trainer owns one `Checkpointer` per run directory and calls it from every process, in the
 same order (each method is collective):
@@ -22,7 +23,7 @@ same order (each method is collective):
     ckpt.wait()                                  # before exit: the last save is committed
 
 Layout of `directory` (a local path, gs://bucket/... or s3://bucket/...; the bucket and the
-credentials are checked when the Checkpointer is made, see `jaxtrain.checkpoint.storage.check_access`):
+credentials are checked when the Checkpointer is made, see `jaxtrain.storage.object_store.check_access`):
 
     <step>/                      one folder per checkpoint, named by the step (Orbax's own naming)
       state/                     the array pytree: OCDBT/zarr, one ocdbt.process_<i>/ per writer
@@ -60,26 +61,3 @@ Failure windows (what a kill, or a lost host, at each moment leaves behind):
      after `barrier_timeout_s` with an error naming the missing process; no marker is written,
      and the error is raised by the next `save()`/`wait()` so the job can be restarted.
 """
-
-import importlib
-
-# Exported names -> the module that owns them. Imported on first use: `paths.py` and `storage.py`
-# (URL helpers, bucket clients) are used by the launcher and the run logs, which must not pull in
-# Orbax and JAX with them.
-_EXPORTS = {
-    "Checkpointer": "checkpointer", "CheckpointError": "checkpointer", "EventFn": "checkpointer",
-    "all_finite": "checkpointer", "restore_params_only": "checkpointer",
-    "enable_compilation_cache": "compilation_cache",
-    "MARKER": "layout", "check_checkpoint": "layout", "is_local": "layout", "list_checkpoints": "layout",
-    "main": "layout", "to_path": "layout",
-    "BarrierTimeoutError": "multihost", "barrier": "multihost",
-}
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'jaxtrain.checkpoint' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"jaxtrain.checkpoint.{_EXPORTS[name]}"), name)
-
-
-__all__ = sorted(_EXPORTS)

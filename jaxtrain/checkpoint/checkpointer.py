@@ -16,12 +16,13 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain.checkpoint.layout import (FORMAT, MARKER, check_checkpoint, forget_listings, fsync_tree, is_local,
-                                        latest_good, list_files, scan, to_path, write_atomic)
-from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client as _client
-from jaxtrain.checkpoint.storage import TransientStorageError, check_access, is_transient, split_url
+from jaxtrain.checkpoint.layout import FORMAT, MARKER, check_checkpoint, latest_good, list_files, scan
+from jaxtrain.storage.small_files import forget_listings, fsync_tree, write_atomic
+from jaxtrain.storage.paths import is_local, to_path
+from jaxtrain.runtime.multihost import BarrierTimeoutError, barrier, client as _client
+from jaxtrain.storage.object_store import TransientStorageError, check_access, is_transient, split_url
 from jaxtrain.config import CheckpointConfig, ConfigError
-from jaxtrain.numerics import all_finite_on_host as all_finite  # also jaxtrain.checkpoint.all_finite
+from jaxtrain.numerics import all_finite_on_host as all_finite
 
 EventFn = Callable[..., None]  # on_event(kind: str, step: int, **details)
 

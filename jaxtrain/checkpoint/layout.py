@@ -12,30 +12,21 @@ import sys
 from typing import Callable, Collection, Optional
 
 from etils import epath
-from etils.epath import backend as epath_backend
 
 from jaxtrain.arguments import Parser
-from jaxtrain.checkpoint.paths import is_remote
-from jaxtrain.checkpoint.storage import check_access, filesystem
+from jaxtrain.storage.paths import is_local, to_path
+from jaxtrain.storage.small_files import forget_listings
+from jaxtrain.storage.object_store import check_access, filesystem
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_USAGE
+from jaxtrain.runtime.exit_codes import EXIT_USAGE
 
 MARKER = "commit.json"
 FORMAT = "jaxtrain-checkpoint/1"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary folder suffix (atomic rename mode)
 
 
-def is_local(directory: str | os.PathLike) -> bool:
-    """True for a plain filesystem path; False for a URL such as gs://bucket/x or s3://b/x."""
-    return not is_remote(directory)
 
 
-def to_path(directory: str | os.PathLike) -> epath.Path:
-    """An epath for `directory`: local paths made absolute (Orbax needs that), URLs unchanged."""
-    text = os.fspath(directory)
-    if is_local(text):
-        return epath.Path(os.path.abspath(os.path.expanduser(text)))
-    return epath.Path(text)
 
 
 def list_files(folder: epath.Path) -> dict[str, int]:
@@ -57,15 +48,6 @@ def list_files(folder: epath.Path) -> dict[str, int]:
     return files
 
 
-def forget_listings(path: str | os.PathLike) -> None:
-    """Drop fsspec's cached listings before looking at a remote folder: gcsfs and s3fs cache
-    them per process, and tensorstore (the arrays) and other processes write behind their back.
-    Both instances: epath makes its own gcsfs (other arguments, so another instance and cache),
-    and a bucket listing it cached earlier hides every folder made since."""
-    text = os.fspath(path)
-    if not is_local(text):
-        filesystem(text).invalidate_cache()
-        epath_backend.fsspec_backend.fs(text).invalidate_cache()
 
 
 def _list_objects(url: str) -> dict[str, int]:
@@ -82,35 +64,8 @@ def _list_objects(url: str) -> dict[str, int]:
     return files
 
 
-def fsync_tree(folder: epath.Path) -> None:
-    """Flush every file and folder below a local `folder` to disk (no-op for URLs)."""
-    if not is_local(os.fspath(folder)):
-        return
-    for dirpath, _, names in os.walk(os.fspath(folder)):
-        for name in names + ["."]:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
-def write_atomic(path: epath.Path, text: str) -> None:
-    """Write a small file so readers see either nothing or all of it."""
-    if not is_local(os.fspath(path)):
-        path.write_text(text)  # a single object write is atomic on gs:// and s3://
-        return
-    tmp = os.fspath(path) + f".tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.fspath(path))
-    fd = os.open(os.path.dirname(os.fspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def scan(root: epath.Path) -> list[tuple[int, epath.Path, bool]]:

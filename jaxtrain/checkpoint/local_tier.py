@@ -72,7 +72,7 @@ import numpy as np
 
 from jaxtrain.checkpoint import replica_transfer
 from jaxtrain.checkpoint.checkpointer import mesh_shape
-from jaxtrain.checkpoint.multihost import barrier, client as _client
+from jaxtrain.runtime.multihost import barrier, client as _client
 
 FORMAT = 1
 MANIFEST = "manifest.json"

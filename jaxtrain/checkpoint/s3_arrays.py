@@ -48,7 +48,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
-from jaxtrain.checkpoint import storage
+from jaxtrain.storage import object_store
 
 _MAX_CHUNK_BYTES = 256 * 2**20  # one OCDBT value per chunk; also bounds a restore's single reads
 # A replicated shard is cut among its replicas only into slices at least this big: below it, one
@@ -69,7 +69,7 @@ def _context(concurrency: int = 32) -> ts.Context:
 
 def _ocdbt_kvstore(url: str, *, write: bool) -> dict:
     """An OCDBT database on S3 at `url`, with Orbax's settings for writing it or reading it."""
-    spec = {"driver": "ocdbt", "base": storage.s3_kvstore(url), "cache_pool": "cache_pool#ocdbt"}
+    spec = {"driver": "ocdbt", "base": object_store.s3_kvstore(url), "cache_pool": "cache_pool#ocdbt"}
     if write:
         # One writer per database (this process), so the simple single-file manifest suffices,
         # and assume_config skips writing an empty manifest first; .zarray files stay inline in
@@ -178,7 +178,7 @@ class S3ArrayHandler(ocp.type_handlers.TypeHandler):
         says which in `info`, from the checkpoint's tree metadata."""
         directory = info.parent_dir.as_posix()
         if not info.is_ocdbt_checkpoint:
-            return {"driver": "zarr", "kvstore": storage.s3_kvstore(f"{directory}/{info.name}")}
+            return {"driver": "zarr", "kvstore": object_store.s3_kvstore(f"{directory}/{info.name}")}
         # Chunks equal to the fill value are stored too (Orbax's writers and ours), so a missing
         # one is lost data: raise, as Orbax does, instead of reading zeros.
         return {"driver": "zarr3" if info.use_zarr3 else "zarr",

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtrain.fault.hostcomm import LateAllGather
+from jaxtrain.runtime.hostcomm import LateAllGather
 
 # The key JAX's preemption notifier (TSL's PreemptionSyncManager) sets in the coordination service
 # when its SIGTERM handler fires: the handler JAX installs in jax.distributed.initialize(), which
@@ -87,7 +87,7 @@ def agree_on_startup_stop(requested: str | None, process_index: int, process_cou
     """
     if process_count == 1:
         return {0: requested} if requested else {}
-    from jaxtrain.checkpoint.multihost import barrier, client
+    from jaxtrain.runtime.multihost import barrier, client
     kv = client()
     mine = requested or ("JAX preemption notice" if _jax_preemption_notice(kv) else "-")
     prefix = f"jaxtrain/startup_stop/{name}/"

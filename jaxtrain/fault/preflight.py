@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jaxtrain.checkpoint.multihost import BarrierTimeoutError, barrier, client, next_call, wait_key
+from jaxtrain.runtime.multihost import BarrierTimeoutError, barrier, client, next_call, wait_key
 from jaxtrain.config import Config
-from jaxtrain.fault.hostcomm import LateAllGather
+from jaxtrain.runtime.hostcomm import LateAllGather
 from jaxtrain.fault.preflight_plan import better_of, plan_rounds, rounds_to_confirm, verdict
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxtrain.config import FaultConfig
-from jaxtrain.fault.hostcomm import LateAllGather
+from jaxtrain.runtime.hostcomm import LateAllGather
 
 MIN_COST = 0.1  # a straggler costs the job at least this fraction of a step
 PERSIST_WINDOWS = 2  # slow in this many compared windows running before the first report
@@ -139,7 +139,7 @@ def job_hosts(process_index: int, process_count: int, timeout_s: float = 120.0, 
     host = socket.gethostname() if host is None else host
     if process_count == 1:
         return [host]
-    from jaxtrain.checkpoint.multihost import barrier_timeout_error, client, next_call
+    from jaxtrain.runtime.multihost import barrier_timeout_error, client, next_call
     kv = client() if kv is None else kv
     name = f"hosts/{next_call('job_hosts')}"  # every process calls job_hosts equally often
     prefix = f"jaxtrain/barrier/{name}/"  # the host keys double as the barrier's arrival keys

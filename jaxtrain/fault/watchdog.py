@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from jaxtrain.checkpoint.paths import is_remote
+from jaxtrain.storage.paths import is_remote
 from jaxtrain.config import FaultConfig
-from jaxtrain.exit_codes import EXIT_RESTART
+from jaxtrain.runtime.exit_codes import EXIT_RESTART
 from jaxtrain.observe.runlog import append_event
 
 PHASES = ("startup", "compile", "checkpoint", "step", "idle")  # idle: between notebook calls, no deadline
@@ -240,7 +240,7 @@ class Watchdog:
         if self.process_count == 1:
             return False
         try:
-            from jaxtrain.checkpoint.multihost import client
+            from jaxtrain.runtime.multihost import client
             kv = client()
             kv.key_value_set(f"{PROGRESS_DIR}{self.process_index}", json.dumps(self.heartbeat()), allow_overwrite=True)
             return kv.key_value_increment(HANG_COUNT, 0) > 0
@@ -256,7 +256,7 @@ class Watchdog:
             return
         expected = self.process_count if expected is None else expected
         try:
-            from jaxtrain.checkpoint.multihost import client
+            from jaxtrain.runtime.multihost import client
             kv = client()
             kv.key_value_increment(HANG_COUNT, 1)
             deadline = time.monotonic() + LINGER_S
@@ -276,7 +276,7 @@ class Watchdog:
         process 0. Bounded RPCs: at most two per process; O(P) bytes in all unless process 0 stopped."""
         if self.process_count == 1:
             return True, None
-        from jaxtrain.checkpoint.multihost import client
+        from jaxtrain.runtime.multihost import client
         kv = client()  # looked up here: the bounded reads run in threads of their own
         now = time.time
         if self.process_index > 0:

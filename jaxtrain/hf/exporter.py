@@ -18,8 +18,8 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.storage import object_store, small_files
+from jaxtrain.storage.paths import is_remote, join
 from jaxtrain.config import Config, ConfigError, from_dict, load_config
 from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, refuse_url,
                                write_generation_config, write_safetensors, write_tokenizer, writing)
@@ -29,7 +29,7 @@ from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors
 def _parent(folder: str) -> Optional[str]:
     """The folder above a local path or a URL; None above a bucket's root or the filesystem root."""
     if is_remote(folder):
-        scheme, bucket, key = storage.split_url(folder)
+        scheme, bucket, key = object_store.split_url(folder)
         if not key:
             return None
         up = posixpath.dirname(key)
@@ -44,14 +44,14 @@ def _find_up(start: Optional[str], name: str, levels: int = 3, *, key: str = "ch
     if not start:
         return None
     if is_remote(start):
-        storage.check_access(start, key=key)
+        object_store.check_access(start, key=key)
         folder: Optional[str] = start.rstrip("/")
     else:
         folder = os.path.abspath(os.path.expanduser(start))
     for _ in range(levels):
         if folder is None:
             return None
-        if storage.is_file(join(folder, name)):
+        if small_files.is_file(join(folder, name)):
             return folder
         folder = _parent(folder)
     return None
@@ -61,12 +61,12 @@ def _load_run_config(run: str, where: str) -> Config:
     """The run's config.yaml (a local file or an object), validated like `load_config`; an
     import-hf directory's config, whose data is not chosen, is accepted (only the model matters)."""
     path = join(run, "config.yaml")
-    if not storage.is_file(path):
+    if not small_files.is_file(path):
         raise ConfigError(f"export-hf: '{where}' has no config.yaml (expected a jaxtrain run directory)")
     if not is_remote(path):
         return load_config(path, need_data=False)
     try:
-        data = yaml.safe_load(storage.read_bytes(path).decode())
+        data = yaml.safe_load(small_files.read_bytes(path).decode())
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -117,8 +117,10 @@ def _restore_params(run_dir: str, cfg: Config, step: Optional[int]) -> tuple[dic
     import jax
     from flax import nnx
 
-    from jaxtrain.checkpoint import check_checkpoint, restore_params_only
-    from jaxtrain.checkpoint.layout import latest_good, scan, to_path
+    from jaxtrain.checkpoint.layout import check_checkpoint
+    from jaxtrain.checkpoint.checkpointer import restore_params_only
+    from jaxtrain.checkpoint.layout import latest_good, scan
+    from jaxtrain.storage.paths import to_path
     from jaxtrain.model.llama import Transformer
 
     root = to_path(join(run_dir, "checkpoints"))
@@ -166,7 +168,7 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
     """
     refuse_url(output, "export-hf --output", "write it locally, then upload it if needed")
     if is_remote(run_dir):
-        storage.check_access(run_dir, key="export-hf RUN_DIR")
+        object_store.check_access(run_dir, key="export-hf RUN_DIR")
         run = run_dir.rstrip("/")
     else:
         run = os.path.abspath(os.path.expanduser(run_dir))
@@ -176,7 +178,7 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
     max_bytes = parse_size(max_shard_size)
     # The imported source's config.json: here (an import dir) or where the run started from.
     hf_home = _find_up(run, HF_CONFIG, 1, key="export-hf RUN_DIR") or _find_up(cfg.checkpoint.init_from, HF_CONFIG)
-    source = json.loads(storage.read_bytes(join(hf_home, HF_CONFIG))) if hf_home else {}
+    source = json.loads(small_files.read_bytes(join(hf_home, HF_CONFIG))) if hf_home else {}
     if dtype is None:
         names = {v: k for k, v in HF_DTYPE_NAMES.items()}
         dtype = names.get(source.get("dtype") or source.get("torch_dtype"), "fp32")

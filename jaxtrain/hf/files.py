@@ -15,8 +15,8 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.storage import object_store, small_files
+from jaxtrain.storage.paths import is_remote, join
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.hf.mapping import hf_shapes
 
@@ -212,7 +212,7 @@ def copy_tokenizer(src: str | Path, dst: Path) -> list[str]:
     s3:// URL) into the local folder `dst`; returns the names copied."""
     src = os.fspath(src)
     if is_remote(src):
-        fs = storage.filesystem(src)
+        fs = object_store.filesystem(src)
         fs.invalidate_cache()
         # One listing rather than a lookup per candidate name.
         present = {posixpath.basename(p.rstrip("/")) for p in fs.ls(src, detail=False)}
@@ -221,7 +221,7 @@ def copy_tokenizer(src: str | Path, dst: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
         if name in present:
-            (dst / name).write_bytes(storage.read_bytes(join(src, name)))
+            (dst / name).write_bytes(small_files.read_bytes(join(src, name)))
             copied.append(name)
     return copied
 

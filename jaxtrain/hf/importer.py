@@ -91,7 +91,7 @@ def _leaves(tree: dict) -> Iterator[np.ndarray]:
 def _save_params(directory: Path, params: dict, extra: dict) -> None:
     """Write `{"params": params}` as committed checkpoint 0 with jaxtrain's Checkpointer, so
     restore_params_only, `jaxtrain checkpoints` and discovery treat it like any other."""
-    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.checkpoint.checkpointer import Checkpointer
     from jaxtrain.config import CheckpointConfig
 
     with Checkpointer(os.fspath(directory), CheckpointConfig(async_save=False)) as ckpt:

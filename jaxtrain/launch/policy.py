@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Mapping, Sequence, Union
 
-from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART, EXIT_USAGE
+from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART, EXIT_USAGE
 
 Slot = Union[int, str]  # a `jaxtrain launch` slot number, or a node name (SLURM)
 Signature = tuple[str, str, int]  # a Python error: (exception type, innermost jaxtrain frame "file:function", step)

@@ -42,7 +42,7 @@ from typing import Callable
 
 from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_USAGE
+from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_USAGE
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
 from jaxtrain.launch.policy import (Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits, Restart, Signature,
                                     Stop, attempt_steps, blamed_process, decide, made_progress, slurm_restart)

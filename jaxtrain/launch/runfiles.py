@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtrain.checkpoint.paths import is_remote
+from jaxtrain.storage.paths import is_remote
 from jaxtrain.observe.runlog import read_log
 
 

@@ -3,7 +3,7 @@
     jaxtrain launch --num-processes 2 --cpu-devices 2 -- train --config configs/tiny.yaml train.steps=20
 
 Each process runs `python -m jaxtrain.cli train ...` with JAXTRAIN_COORDINATOR (127.0.0.1:PORT),
-JAXTRAIN_NUM_PROCESSES and JAXTRAIN_PROCESS_ID set (read by jaxtrain.launch.distributed), plus
+JAXTRAIN_NUM_PROCESSES and JAXTRAIN_PROCESS_ID set (read by jaxtrain.runtime.distributed), plus
 JAXTRAIN_RESTART_ATTEMPT (0 on the first attempt). Output lines are prefixed with `[p{i}]`.
 
 This module owns the processes: starting them, forwarding their output and signals, stopping them
@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from jaxtrain import env
+from jaxtrain.runtime import env
 from jaxtrain.arguments import Parser, parse
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
+from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, shrink_planner
 from jaxtrain.launch.policy import (Attempt, Done, Exit, GiveUp, History, Isolate, Limits, Stop, attempt_steps, decide,
                                     exit_after_signal, made_progress)

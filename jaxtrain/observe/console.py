@@ -17,9 +17,9 @@ import math
 import time
 from typing import Any, Callable
 
-from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART, EXIT_USAGE
+from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART, EXIT_USAGE
 
-# What an exit code asks of whoever started the run (exit_codes.py defines them).
+# What an exit code asks of whoever started the run (runtime/exit_codes.py defines them).
 EXIT_MEANING = {
     EXIT_OK: "done",
     EXIT_USAGE: "fix the config or input",

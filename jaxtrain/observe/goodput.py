@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.arguments import Parser, parse
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import is_remote
+from jaxtrain.storage import object_store
+from jaxtrain.storage.paths import is_remote
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_OK
+from jaxtrain.runtime.exit_codes import EXIT_OK
 from jaxtrain.observe.runlog import read_log
 
 PARTS = ("productive_s", "startup_s", "checkpoint_s", "restart_downtime_s", "hang_s", "redone_steps_s",
@@ -230,7 +230,7 @@ def goodput(run_dir: str | Path) -> dict[str, Any]:
     """
     run_dir = os.fspath(run_dir)
     if is_remote(run_dir):
-        storage.check_access(run_dir, key="RUN_DIR")  # a wrong bucket or no credentials: one line, exit 2
+        object_store.check_access(run_dir, key="RUN_DIR")  # a wrong bucket or no credentials: one line, exit 2
     events = [e for e in read_log(run_dir, "events.jsonl") if isinstance(e.get("time"), (int, float))]
     if not events:
         raise ConfigError(f"{run_dir}: no events.jsonl with events (is it a jaxtrain run directory?)")

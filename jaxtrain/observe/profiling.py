@@ -53,7 +53,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from jaxtrain.checkpoint.paths import is_remote  # imports nothing heavy
+from jaxtrain.storage.paths import is_remote  # imports nothing heavy
 from jaxtrain.observe.hlo import COLLECTIVE_KINDS, collective, collective_kind, read_module
 
 COMPUTE_KINDS = ("matmul", "attention", "elementwise")

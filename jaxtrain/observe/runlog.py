@@ -8,7 +8,7 @@ the logs keep every detail) is `jaxtrain.observe.console`'s.
 Layout of the logs in a run directory (`read_log` reads either, and is what every reader uses):
   local:   metrics.jsonl, events.jsonl (appended line by line), tensorboard/events.out.tfevents.*
   gs://, s3://: metrics.jsonl.segments/000001.jsonl, 000002.jsonl, ... and the same for
-           events.jsonl (segments of at most `storage.SEGMENT_BYTES`, read in order of their
+           events.jsonl (segments of at most `appended_log.SEGMENT_BYTES`, read in order of their
            number after a whole metrics.jsonl / events.jsonl object that runs before segments
            wrote), and tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>: a new event
            file, with its own header record, wherever a segment would start.
@@ -24,8 +24,8 @@ import tempfile
 import time
 from typing import IO, Any
 
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import is_remote, join
+from jaxtrain.storage import appended_log, small_files
+from jaxtrain.storage.paths import is_remote, join
 from jaxtrain.config import Config, save_config
 from jaxtrain.observe.console import Console
 from jaxtrain.observe.tensorboard import ScalarWriter
@@ -37,7 +37,7 @@ class RunLog:
     `output_dir` may be a local directory or a gs:// / s3:// URL. Locally each line reaches the
     OS as it is written (a killed run keeps every line). Object stores cannot append, so there
     the logs are written as bounded segment objects (see the module docstring and
-    `jaxtrain.checkpoint.storage.AppendOnlyFile`) by one background thread: metrics and
+    `jaxtrain.storage.appended_log.AppendOnlyFile`) by one background thread: metrics and
     TensorBoard records at most every `flush_interval_s`, and at once (without waiting for the
     upload) on every event, metrics before events. `sync()` and `close()` upload everything and
     wait. A killed run loses at most the lines written since the last upload (a resumed run
@@ -60,11 +60,11 @@ class RunLog:
         if self.enabled:
             out = self.output_dir = os.fspath(output_dir)
             self.remote = is_remote(out)
-            storage.makedirs(out)
+            small_files.makedirs(out)
             # One uploader for the three logs: a pass stores the metrics before the event after them.
-            self._uploader = storage.Uploader(flush_interval_s) if self.remote else None
-            self._metrics = storage.AppendOnlyFile(join(out, "metrics.jsonl"), uploader=self._uploader)
-            self._events = storage.AppendOnlyFile(join(out, "events.jsonl"), uploader=self._uploader)
+            self._uploader = appended_log.Uploader(flush_interval_s) if self.remote else None
+            self._metrics = appended_log.AppendOnlyFile(join(out, "metrics.jsonl"), uploader=self._uploader)
+            self._events = appended_log.AppendOnlyFile(join(out, "events.jsonl"), uploader=self._uploader)
             self._tb = ScalarWriter(join(out, "tensorboard"), uploader=self._uploader)
 
     def write_config(self, cfg: Config) -> None:
@@ -77,7 +77,7 @@ class RunLog:
         with tempfile.TemporaryDirectory() as tmp:  # config.py owns the format; upload what it writes
             save_config(cfg, os.path.join(tmp, "config.yaml"))
             with open(os.path.join(tmp, "config.yaml")) as f:
-                storage.write_text(join(self.output_dir, "config.yaml"), f.read())
+                small_files.write_text(join(self.output_dir, "config.yaml"), f.read())
 
     def event(self, kind: str, step: int, **details: Any) -> None:
         """One events.jsonl line with every detail, and its short console line (if it has one)."""
@@ -203,7 +203,7 @@ def read_log(run_dir: str | os.PathLike, name: str) -> list[dict]:
     mid-line) and lines that are not JSON objects are skipped. [] when the log does not exist.
     Every reader of the run logs (goodput, the launchers' blame) goes through here.
     """
-    data = storage.read_appended(join(os.fspath(run_dir), name))
+    data = appended_log.read_appended(join(os.fspath(run_dir), name))
     out = []
     for line in data.decode(errors="replace").splitlines():
         try:

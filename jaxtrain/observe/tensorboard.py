@@ -14,8 +14,8 @@ import struct
 import time
 from pathlib import Path
 
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import join
+from jaxtrain.storage import appended_log, small_files
+from jaxtrain.storage.paths import join
 
 
 def _crc32c_table() -> list[int]:
@@ -79,17 +79,17 @@ class ScalarWriter:
     gs:// or s3:// URL (TensorBoard reads both): objects cannot be appended to, so the records
     go to a series of bounded event files `events.out.tfevents.<time>.<host>.<pid>.<n>` (n =
     000001, ...), each starting with its own file-version record, uploaded in the background
-    (see `jaxtrain.checkpoint.storage.AppendOnlyFile`; sealed files are never rewritten).
+    (see `jaxtrain.storage.appended_log.AppendOnlyFile`; sealed files are never rewritten).
     TensorBoard reads every event file of a folder, in the order of their names, which is the
     order they were written.
     """
 
     def __init__(self, log_dir: str | Path, *, flush_interval_s: float = 5.0,
-                 uploader: storage.Uploader | None = None):
+                 uploader: appended_log.Uploader | None = None):
         log_dir = os.fspath(log_dir)
-        storage.makedirs(log_dir)
+        small_files.makedirs(log_dir)
         stem = f"events.out.tfevents.{{}}.{socket.gethostname()}.{os.getpid()}"
-        self._file = storage.AppendOnlyFile(
+        self._file = appended_log.AppendOnlyFile(
             join(log_dir, stem.format(int(time.time()))), flush_interval_s=flush_interval_s, uploader=uploader,
             header=lambda: _record(_event(0, file_version="brain.Event:2")),
             # Remote: named when each starts, so that names sort in writing order (fixed-width time, then n).
@@ -123,7 +123,7 @@ def _record(data: bytes) -> bytes:
 
 def read_scalars(path: str | Path) -> list[tuple[int, str, float]]:
     """(step, tag, value) from an event file written by ScalarWriter (a path or a URL), checking every CRC."""
-    data, out, pos = storage.read_bytes(os.fspath(path)), [], 0
+    data, out, pos = small_files.read_bytes(os.fspath(path)), [], 0
     while pos < len(data):
         (length,) = struct.unpack_from("<Q", data, pos)
         (hcrc,) = struct.unpack_from("<I", data, pos + 8)

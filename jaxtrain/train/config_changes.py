@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.paths import join
+from jaxtrain.storage import object_store, small_files
+from jaxtrain.storage.paths import join
 from jaxtrain.config import Config, ConfigError, from_dict
 from jaxtrain.train.optim import learning_rate_schedule, schedule_steps
 
@@ -191,13 +191,13 @@ def read_stored(output_dir: str, checkpoint_dir: str, step: Optional[int]) -> tu
     config that trained it; without one, the run's config.yaml (written at every start)."""
     if step is not None:
         path = join(checkpoint_dir, str(step), "extra", "metadata")  # Orbax's JsonCheckpointHandler file
-        if storage.is_file(path):
-            config = json.loads(storage.read_bytes(path)).get("config")
+        if small_files.is_file(path):
+            config = json.loads(small_files.read_bytes(path)).get("config")
             if isinstance(config, dict):
                 return config, f"checkpoint {step}"
     path = join(output_dir, "config.yaml")
-    if storage.is_file(path):
-        config = yaml.safe_load(storage.read_bytes(path))
+    if small_files.is_file(path):
+        config = yaml.safe_load(small_files.read_bytes(path))
         if isinstance(config, dict):
             return config, "the run's config.yaml"
     return None, ""
@@ -234,12 +234,12 @@ def check_resume(cfg: Config, checkpoint_dir: str, step: int, *, persistent: Opt
         try:
             return json.dumps(decide(cfg, checkpoint_dir, step, persistent))
         except Exception as e:  # every process raises, instead of process 0 alone
-            return json.dumps({"error": f"{type(e).__name__}: {e}", "transient": storage.is_transient(e)})
+            return json.dumps({"error": f"{type(e).__name__}: {e}", "transient": object_store.is_transient(e)})
 
     answer = json.loads(agree("config changes", verdict))
     if "error" in answer:
         message = f"reading the config the run in '{cfg.run.output_dir}' was trained with failed: {answer['error']}"
-        raise (storage.TransientStorageError if answer["transient"] else RuntimeError)(message)
+        raise (object_store.TransientStorageError if answer["transient"] else RuntimeError)(message)
     if answer["refused"]:
         raise ConfigError(answer["refused"])
     if not answer["changes"]:

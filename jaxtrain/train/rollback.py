@@ -29,7 +29,8 @@ import json
 import time
 from typing import Any, Callable
 
-from jaxtrain.checkpoint.layout import to_path, write_atomic
+from jaxtrain.storage.paths import to_path
+from jaxtrain.storage.small_files import write_atomic
 from jaxtrain.config import Config
 
 

@@ -30,7 +30,7 @@ from jaxtrain.train.optim import make_optimizer
 from jaxtrain.train.precision import compute_dtype, init_loss_scale
 from jaxtrain.train.stability import init_statistics
 from jaxtrain.train.step import BATCH_KEYS, make_train_step
-from jaxtrain.xla_cpu import lean_compile_options
+from jaxtrain.runtime.xla_cpu import lean_compile_options
 
 State = dict[str, Any]
 
@@ -71,7 +71,7 @@ class StateLayout:
 
     def compiled_init(self) -> jax.stages.Compiled:
         """The initialisation, compiled lean: it runs once, so on the CPU without the YNNPACK fusions
-        that trade memory for speed (jaxtrain/xla_cpu.py: 7x the temporaries on a wide model)."""
+        that trade memory for speed (jaxtrain/runtime/xla_cpu.py: 7x the temporaries on a wide model)."""
         platform = self.mesh.devices.flat[0].platform
         return jax.jit(self.init_fn, out_shardings=self.state_shardings).lower().compile(
             compiler_options=lean_compile_options(platform) or None)

@@ -21,8 +21,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import checkpoint as ckpt_lib
-from jaxtrain.checkpoint import Checkpointer, CheckpointError
+from jaxtrain.checkpoint import checkpointer
+from jaxtrain.checkpoint import layout
+from jaxtrain.storage import paths as storage_paths
+from jaxtrain.runtime import compilation_cache
+from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
 from jaxtrain.config import CheckpointConfig, ConfigError
 
 AXES = ("data", "stage", "fsdp", "tensor")
@@ -165,7 +168,7 @@ def test_damaged_latest_falls_back_to_previous_good(tmp_path, capsys):
         ck.save(step, to_device(host_state(seed=step), mesh), {"step": step})
     ck.wait()
 
-    os.remove(tmp_path / "3" / ckpt_lib.MARKER)  # killed between Orbax's rename and our marker
+    os.remove(tmp_path / "3" / layout.MARKER)  # killed between Orbax's rename and our marker
     data_files = sorted((tmp_path / "2" / "state").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size)
     with open(data_files[-1], "r+b") as f:  # truncated array data
         f.truncate(data_files[-1].stat().st_size // 2)
@@ -183,13 +186,13 @@ def test_damaged_latest_falls_back_to_previous_good(tmp_path, capsys):
         ck2.restore(2, abstract(host_state(0), mesh))
     assert ck2.latest_step() == 1 and len(events.kinds("checkpoint_damaged")) == 2  # reported once
 
-    listing = {r["step"]: r for r in ckpt_lib.list_checkpoints(str(tmp_path))}
+    listing = {r["step"]: r for r in layout.list_checkpoints(str(tmp_path))}
     assert [listing[s]["valid"] for s in (1, 2, 3)] == [True, False, False]
     assert listing[1]["mesh"] == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2} and listing[1]["bytes"] > 0
-    assert ckpt_lib.main([str(tmp_path)]) == 0
+    assert layout.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "damaged" in out and "latest good: 1" in out
-    assert ckpt_lib.main([str(tmp_path / "nope")]) == 2
+    assert layout.main([str(tmp_path / "nope")]) == 2
 
 
 def test_nonfinite_state_is_never_committed(tmp_path):
@@ -208,9 +211,9 @@ def test_nonfinite_state_is_never_committed(tmp_path):
     assert [s for s, d in events.kinds("checkpoint_skipped") if "non-finite" in d["reason"]] == [2, 3]
     assert sorted(os.listdir(tmp_path)) == ["1"]
     assert ck.latest_step() == 1
-    assert ckpt_lib.all_finite({"step": jnp.int32(-1), "rng": jnp.zeros(2, jnp.uint32), "big": jnp.full(4, 3e38)})
+    assert checkpointer.all_finite({"step": jnp.int32(-1), "rng": jnp.zeros(2, jnp.uint32), "big": jnp.full(4, 3e38)})
     for bad in (jnp.array([1.0, jnp.inf]), jnp.array([jnp.nan], jnp.bfloat16), np.array([-np.inf], np.float32)):
-        assert not ckpt_lib.all_finite({"ok": jnp.ones(3), "bad": bad})
+        assert not checkpointer.all_finite({"ok": jnp.ones(3), "bad": bad})
 
 
 def test_retention_keeps_last_n_and_every_kth(tmp_path):
@@ -255,7 +258,7 @@ def test_saving_a_committed_step_again_is_skipped(tmp_path):
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(async_save=False), on_event=events)
     assert ck.save(7, to_device(host_state(seed=1), mesh), {})
-    assert (tmp_path / "7" / ckpt_lib.MARKER).exists()  # async_save=False: committed on return
+    assert (tmp_path / "7" / layout.MARKER).exists()  # async_save=False: committed on return
     assert not ck.save(7, to_device(host_state(seed=2), mesh), {})
     assert "exists" in events.kinds("checkpoint_skipped")[0][1]["reason"]
 
@@ -266,16 +269,16 @@ def test_shape_mismatch_names_the_parameter_and_touches_nothing(saved):
     with pytest.raises(ConfigError, match=r"params\.embed' has shape \(16, 8\) in the checkpoint but \(16, 12\)"):
         Checkpointer(str(saved), cfg()).restore(5, wrong)
     with pytest.raises(ConfigError, match=r"params\.layers\.w"):
-        ckpt_lib.restore_params_only(str(saved), wrong["params"])
+        checkpointer.restore_params_only(str(saved), wrong["params"])
     assert tree_hash(saved) == before
 
 
 def test_restore_params_only_for_init_from(saved, tmp_path):
     mesh = mesh_of(1, 4, 1)
-    params = ckpt_lib.restore_params_only(str(saved.parent), abstract(host_state(0), mesh)["params"])
+    params = checkpointer.restore_params_only(str(saved.parent), abstract(host_state(0), mesh)["params"])
     assert matches(params, host_state(seed=5)["params"])
     with pytest.raises(ConfigError, match="no committed checkpoint"):
-        ckpt_lib.restore_params_only(str(tmp_path), abstract(host_state(0), mesh)["params"])
+        checkpointer.restore_params_only(str(tmp_path), abstract(host_state(0), mesh)["params"])
 
 
 def test_should_save_by_steps_time_and_end(tmp_path):
@@ -309,26 +312,26 @@ def test_discard_after_deletes_newer_checkpoints_and_latest_before(tmp_path):
 
 
 def test_paths_and_urls_pass_through():
-    assert ckpt_lib.is_local("runs/a/checkpoints") and ckpt_lib.is_local("/abs/x")
+    assert storage_paths.is_local("runs/a/checkpoints") and storage_paths.is_local("/abs/x")
     for url in ("gs://bucket/run/checkpoints", "s3://b/x"):
-        assert not ckpt_lib.is_local(url) and str(ckpt_lib.to_path(url)) == url
-    assert os.path.isabs(str(ckpt_lib.to_path("rel/dir")))
+        assert not storage_paths.is_local(url) and str(storage_paths.to_path(url)) == url
+    assert os.path.isabs(str(storage_paths.to_path("rel/dir")))
 
 
 def test_compilation_cache_stores_small_programs(tmp_path):
     old = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                                                "jax_persistent_cache_min_entry_size_bytes")}
     try:
-        assert ckpt_lib.enable_compilation_cache(None) is None
-        where = ckpt_lib.enable_compilation_cache(str(tmp_path / "xla"))
+        assert compilation_cache.enable_compilation_cache(None) is None
+        where = compilation_cache.enable_compilation_cache(str(tmp_path / "xla"))
         assert jax.config.jax_compilation_cache_dir == where
         jax.jit(lambda x: x * 3 + 1)(jnp.arange(5)).block_until_ready()
         assert os.listdir(where), "a tiny CPU program should be cached"
     finally:
         for k, v in old.items():
             jax.config.update(k, v)
-        from jax.experimental.compilation_cache import compilation_cache
-        compilation_cache.reset_cache()
+        from jax.experimental.compilation_cache import compilation_cache as jax_cache
+        jax_cache.reset_cache()
 
 
 BIG = (2048, 4096)  # 32 MB of float32: the background write takes long enough to be killed in
@@ -351,7 +354,7 @@ def test_kill_during_async_write_leaves_previous_checkpoint(tmp_path):
             child.kill()
     assert "COMMITTED 1" in lines, (lines, child.stderr.read()[-3000:])
     assert child.returncode == -signal.SIGKILL
-    assert not (tmp_path / "2" / ckpt_lib.MARKER).exists()
+    assert not (tmp_path / "2" / layout.MARKER).exists()
     assert any(name.startswith("2") for name in os.listdir(tmp_path)), "the kill should land mid-write"
 
     events = Events()

@@ -19,8 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import free_port  # noqa: E402
 from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
 
-from jaxtrain import checkpoint as ckpt_lib  # noqa: E402
-from jaxtrain.checkpoint import BarrierTimeoutError, Checkpointer  # noqa: E402
+from jaxtrain.checkpoint import layout  # noqa: E402
+from jaxtrain.runtime.multihost import BarrierTimeoutError  # noqa: E402
+from jaxtrain.checkpoint.checkpointer import Checkpointer  # noqa: E402
 
 
 def run_workers(mode: str, *args: str, timeout: float = 120) -> list[str]:
@@ -56,7 +57,7 @@ def test_two_processes_save_and_restore_across_process_counts(tmp_path):
 
     # ... and that 2-process checkpoint restores here on 1 process x 8 devices and on 1 device.
     assert os.path.isdir(two_procs / "7" / "state" / "ocdbt.process_1"), "each process writes its own shards"
-    assert json.loads((two_procs / "7" / ckpt_lib.MARKER).read_text())["process_count"] == 2
+    assert json.loads((two_procs / "7" / layout.MARKER).read_text())["process_count"] == 2
     ck = Checkpointer(str(two_procs), cfg())
     assert ck.latest_step() == 7
     for layout in ((2, 2, 2), (1, 1, 1)):
@@ -128,7 +129,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         print(f"SAVED OK events={[k for k, _, _ in events]}", flush=True)
 
     elif mode == "keys":
-        from jaxtrain.checkpoint.multihost import client
+        from jaxtrain.runtime.multihost import client
         ck = Checkpointer(dirs[0], cfg(keep_last=2))
         mesh = mesh_of(1, 4, 2)
 
@@ -145,7 +146,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
 
     elif mode == "verdict":
         from jaxtrain.checkpoint import checkpointer as module
-        from jaxtrain.checkpoint.storage import TransientStorageError
+        from jaxtrain.storage.object_store import TransientStorageError
         real = module.check_checkpoint
         if pid == 1:  # a stale view of the shared folder (the environment, not the code under test)
             module.check_checkpoint = lambda folder: (False, "no commit marker (stale view)", None)

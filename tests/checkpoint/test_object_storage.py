@@ -36,9 +36,10 @@ from storage_servers import SECRETS, objects, storage_servers  # noqa: E402
 from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
 from trees import assert_trees_equal  # noqa: E402
 
-from jaxtrain import checkpoint as ckpt_lib  # noqa: E402
-from jaxtrain.checkpoint import Checkpointer  # noqa: E402
-from jaxtrain.checkpoint import storage  # noqa: E402
+from jaxtrain.checkpoint import checkpointer  # noqa: E402
+from jaxtrain.checkpoint import layout  # noqa: E402
+from jaxtrain.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from jaxtrain.storage import appended_log, object_store, small_files  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.observe.tensorboard import read_scalars  # noqa: E402
 from jaxtrain.trainer import Trainer  # noqa: E402
@@ -74,8 +75,8 @@ def run_cli(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProces
 
 
 def read_jsonl(url_or_path: str) -> list[dict]:
-    """A run log's lines, local or in a bucket (there: its segments, storage.read_appended)."""
-    return [json.loads(line) for line in storage.read_appended(url_or_path).decode().splitlines()]
+    """A run log's lines, local or in a bucket (there: its segments, appended_log.read_appended)."""
+    return [json.loads(line) for line in appended_log.read_appended(url_or_path).decode().splitlines()]
 
 
 def losses(run_dir: str) -> dict[int, float]:
@@ -85,7 +86,7 @@ def losses(run_dir: str) -> dict[int, float]:
 def final_params(run_dir: str) -> dict:
     trainer = Trainer(load_config(TINY, RUN + ["checkpoint.compilation_cache_dir=null"]), write_files=False,
                       devices=jax.devices()[:1])
-    return jax.device_get(ckpt_lib.restore_params_only(run_dir, trainer.abstract_state()["params"]))
+    return jax.device_get(checkpointer.restore_params_only(run_dir, trainer.abstract_state()["params"]))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_sigkill_then_same_command_resumes_bitwise(resumed, reference):
 def test_goodput_of_a_run_in_the_bucket_equals_that_of_a_local_copy(resumed, tmp_path):
     from jaxtrain.observe.goodput import goodput
     for name in ("events.jsonl", "metrics.jsonl"):
-        (tmp_path / name).write_bytes(storage.read_appended(f"{resumed.url}/{name}"))
+        (tmp_path / name).write_bytes(appended_log.read_appended(f"{resumed.url}/{name}"))
     remote, local = goodput(resumed.url), goodput(tmp_path)
     assert remote["attempts"] == 2 and remote["steps"]["final"] == STEPS, remote  # the killed attempt and the resume
     assert {**remote, "run_dir": None} == {**local, "run_dir": None}
@@ -151,7 +152,7 @@ def test_run_files_are_in_the_bucket(resumed):
     url, cwd = resumed.url, resumed.cwd
     names = {o.split("/resume/", 1)[1] for o in objects(url)}
     assert {"config.yaml", "metrics.jsonl.segments/000001.jsonl", "events.jsonl.segments/000001.jsonl"} <= names
-    cfg_text = storage.read_bytes(f"{url}/config.yaml").decode()  # the resolved config
+    cfg_text = small_files.read_bytes(f"{url}/config.yaml").decode()  # the resolved config
     assert f"steps: {STEPS}" in cfg_text and url in cfg_text
     events = read_jsonl(f"{url}/events.jsonl")
     kinds = [e["kind"] for e in events]
@@ -178,12 +179,12 @@ def test_no_credential_in_any_object_local_file_or_stderr(resumed):
     """Every object of the run (config.yaml, metrics/events, TensorBoard, commit markers, Orbax
     metadata, array chunks), every file left in the working directory, and both commands' stdout
     and stderr: none holds any of the credentials the clients were given."""
-    fs = storage.filesystem(resumed.url)
+    fs = object_store.filesystem(resumed.url)
     fs.invalidate_cache()
     scanned = {o.split("/resume/", 1)[1]: fs.cat_file(o) for o in fs.find(resumed.url)}
     assert {"config.yaml", "metrics.jsonl.segments/000001.jsonl", "events.jsonl.segments/000001.jsonl"} <= set(
         scanned), sorted(scanned)
-    assert any(name.endswith(f"/{ckpt_lib.MARKER}") for name in scanned), sorted(scanned)
+    assert any(name.endswith(f"/{layout.MARKER}") for name in scanned), sorted(scanned)
     for path in resumed.cwd.rglob("*"):
         if path.is_file():
             scanned[f"local:{path.relative_to(resumed.cwd)}"] = path.read_bytes()
@@ -217,8 +218,8 @@ def test_damaged_latest_falls_back_and_restores_onto_another_mesh(servers, schem
     for step in (1, 2, 3):
         ck.save(step, to_device(host_state(seed=step), two), {"step": step})
     ck.wait()
-    fs = storage.filesystem(url)
-    fs.rm(f"{url}/3/{ckpt_lib.MARKER}")  # killed between Orbax's commit and our marker
+    fs = object_store.filesystem(url)
+    fs.rm(f"{url}/3/{layout.MARKER}")  # killed between Orbax's commit and our marker
     data = [o for o in objects(f"{url}/2/state") if not o.rsplit("/", 1)[1].startswith(("_", ".", "manifest"))]
     biggest = max(data, key=lambda o: fs.size(o))
     fs.pipe_file(biggest, fs.cat_file(biggest)[: fs.size(biggest) // 2])  # a truncated data object
@@ -234,7 +235,7 @@ def test_damaged_latest_falls_back_and_restores_onto_another_mesh(servers, schem
     state, extra = ck2.restore(1, abstract(host_state(0), four))
     assert matches(state, host_state(seed=1)) and extra == {"step": 1}
     assert state["params"]["layers"]["w"].sharding.mesh.devices.size == 4
-    with pytest.raises(ckpt_lib.CheckpointError, match="manifest"):
+    with pytest.raises(checkpointer.CheckpointError, match="manifest"):
         ck2.restore(2, abstract(host_state(0), four))
 
 
@@ -295,7 +296,7 @@ def test_s3_chunks_split_within_shards_and_restore_across_them(servers, monkeypa
     ck.wait()
     # The chunks are keys of the checkpoint's OCDBT database (packed into a few objects).
     import tensorstore as ts
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.s3_kvstore(f"{url}/1/state")}).result()
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": object_store.s3_kvstore(f"{url}/1/state")}).result()
     embed = [k for k in kv.list().result() if k.startswith(b"params.embed/") and not k.endswith(b".zarray")]
     assert len(embed) == 16 * 8 * 4 // 64, embed  # (16, 8) float32 in 64-byte chunks
     state, _ = ck.restore(1, abstract(host_state(0), mesh_of(2, 2, 2)))
@@ -308,7 +309,7 @@ def test_object_log_appends_across_writers(servers):
     url = f"s3://{BUCKET}/appender/metrics.jsonl"
     killed = subprocess.run([sys.executable, "-c", f"""
 import os, time
-from jaxtrain.checkpoint.storage import AppendOnlyFile
+from jaxtrain.storage.appended_log import AppendOnlyFile
 f = AppendOnlyFile("{url}", flush_interval_s=60)
 f.write("a\\n")
 f.flush()
@@ -317,16 +318,16 @@ f.write("b\\n")  # never uploaded: the background upload waits 60 s
 os._exit(0)  # like a kill: no close()
 """], capture_output=True, text=True, timeout=120)
     assert killed.returncode == 0, killed.stderr[-2000:]
-    assert storage.read_appended(url) == b"a\n"
-    second = storage.AppendOnlyFile(url, flush_interval_s=0.05)
+    assert appended_log.read_appended(url) == b"a\n"
+    second = appended_log.AppendOnlyFile(url, flush_interval_s=0.05)
     second.write("c\n")
     deadline = time.monotonic() + 10
-    while storage.read_appended(url) != b"a\nc\n" and time.monotonic() < deadline:
+    while appended_log.read_appended(url) != b"a\nc\n" and time.monotonic() < deadline:
         time.sleep(0.05)  # the background upload
-    assert storage.read_appended(url) == b"a\nc\n"
+    assert appended_log.read_appended(url) == b"a\nc\n"
     second.write("d\n")
     second.close()
-    assert storage.read_appended(url) == b"a\nc\nd\n"
+    assert appended_log.read_appended(url) == b"a\nc\nd\n"
 
 
 # ----------------------------------------------------------------------------- user errors
@@ -375,10 +376,10 @@ def test_missing_credentials_is_one_line_exit_2_nothing_written(servers, scheme,
 def test_half_configured_gcs_emulator_is_refused(servers, monkeypatch):
     """gcsfs and tensorstore read different variables: with one set, a checkpoint would be split
     between the emulator and the real GCS."""
-    storage.check_access(f"gs://{BUCKET}/x")
+    object_store.check_access(f"gs://{BUCKET}/x")
     monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL")
     with pytest.raises(ConfigError, match="set both STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL"):
-        storage.check_access(f"gs://{BUCKET}/x", key="run.output_dir")
+        object_store.check_access(f"gs://{BUCKET}/x", key="run.output_dir")
 
 
 # ----------------------------------------------------------------------------- S3 region
@@ -397,13 +398,13 @@ def test_s3_spec_names_a_region_only_when_the_environment_does(monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", SECRETS["AWS_ACCESS_KEY_ID"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRETS["AWS_SECRET_ACCESS_KEY"])
-    assert storage.s3_kvstore("s3://bkt/a/b") == {"driver": "s3", "bucket": "bkt", "path": "a/b/",
+    assert object_store.s3_kvstore("s3://bkt/a/b") == {"driver": "s3", "bucket": "bkt", "path": "a/b/",
                                                   "aws_credentials": {"type": "environment"}}
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
-    assert storage.s3_kvstore("s3://bkt/a")["aws_region"] == "eu-west-1"
+    assert object_store.s3_kvstore("s3://bkt/a")["aws_region"] == "eu-west-1"
     monkeypatch.setenv("AWS_REGION", "ap-south-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
-    spec = storage.s3_kvstore("s3://bkt")
+    spec = object_store.s3_kvstore("s3://bkt")
     assert (spec["aws_region"], spec["endpoint"], spec["path"]) == ("ap-south-1", "http://127.0.0.1:9000", "")
     assert not any(secret in json.dumps(spec) for secret in SECRETS.values())
 
@@ -443,7 +444,7 @@ def test_s3_without_region_signs_for_the_buckets_own_region(monkeypatch):
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", SECRETS["AWS_ACCESS_KEY_ID"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRETS["AWS_SECRET_ACCESS_KEY"])
-        kv = ts.KvStore.open(storage.s3_kvstore("s3://eu-bucket/run")).result()
+        kv = ts.KvStore.open(object_store.s3_kvstore("s3://eu-bucket/run")).result()
         assert kv.read("checkpoints/1/commit.json").result().state == "missing"
     finally:
         server.shutdown()
@@ -471,7 +472,7 @@ def test_orbax_and_tensorstore_are_pinned_to_a_tested_range():
 def copy_to_bucket(local: Path, url: str) -> None:
     """A local folder copied file by file into the bucket, as `aws s3 cp --recursive` or
     `gsutil cp -r` would."""
-    fs = storage.filesystem(url)
+    fs = object_store.filesystem(url)
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         fs.put_file(str(path), f"{url}/{path.relative_to(local).as_posix()}")
 
@@ -534,7 +535,7 @@ def test_export_hf_reads_a_run_directory_in_a_bucket(servers, scheme, tmp_path, 
     assert not objects(f"{scheme}://{BUCKET}/exported")
 
     # A run whose only checkpoint lost a file: the one line says which step and why.
-    fs = storage.filesystem(url)
+    fs = object_store.filesystem(url)
     fs.rm([f for f in fs.find(f"{url}/checkpoints/0") if not f.endswith("commit.json")][0])
     assert cli.main(["export-hf", url, "--output", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err.strip()
@@ -572,7 +573,7 @@ def test_two_processes_save_to_the_bucket_and_one_restores(servers, scheme):
         assert ck.save(5, to_device(host_state(seed=5), mesh_of(2, 2, 2)), {"from": "1x8"})
     outputs = run_workers("roundtrip", one_proc, two_procs)  # 2 processes x 4 devices restore it, save step 7
     assert all("RESTORED OK" in out and "SAVED OK" in out for out in outputs), outputs
-    marker = json.loads(storage.read_bytes(f"{two_procs}/7/{ckpt_lib.MARKER}"))
+    marker = json.loads(small_files.read_bytes(f"{two_procs}/7/{layout.MARKER}"))
     assert marker["process_count"] == 2
     ck = Checkpointer(two_procs, cfg())
     assert ck.latest_step() == 7
@@ -593,7 +594,7 @@ def test_a_listing_cached_before_another_writer_commits_does_not_hide_the_checkp
     from jaxtrain.checkpoint.checkpointer import _resolve_folder
     run = f"{scheme}://{BUCKET}/listed-early-{reader}"
     root = layout.to_path(f"{run}/checkpoints")
-    storage.filesystem(run).pipe(f"{run}-sibling/a", b"1")  # (an empty listing is not cached)
+    object_store.filesystem(run).pipe(f"{run}-sibling/a", b"1")  # (an empty listing is not cached)
     assert not root.exists() and not layout.to_path(run).exists()
     list(layout.to_path(f"{scheme}://{BUCKET}").iterdir())  # epath caches the bucket's listing
     local = tmp_path / "7"

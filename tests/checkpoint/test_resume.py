@@ -16,7 +16,7 @@ import pytest
 from helpers import TINY, read_jsonl
 from trees import assert_trees_equal
 
-from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 

@@ -11,7 +11,7 @@ import jax
 import pytest
 from helpers import TINY, read_jsonl
 
-from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.checkpoint.checkpointer import Checkpointer
 from jaxtrain.checkpoint import checkpointer as ckpt_mod
 from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
@@ -116,7 +116,7 @@ def test_rollback_finds_the_checkpoint_before_the_first_spike_despite_keep_last(
 # (Here rather than in test_checkpoint.py: the default moved with the retention work of this file's
 # change; `compilation_cache.py`.)
 
-from jaxtrain.checkpoint import compilation_cache as cc  # noqa: E402
+from jaxtrain.runtime import compilation_cache as cc  # noqa: E402
 
 
 def test_auto_cache_dir_is_in_the_run_directory_every_host_shares():

@@ -24,9 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from storage_servers import objects, storage_servers  # noqa: E402
 from test_checkpoint import abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
 
-from jaxtrain.checkpoint import Checkpointer  # noqa: E402
+from jaxtrain.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from jaxtrain.checkpoint import checkpointer as checkpointer_module  # noqa: E402
-from jaxtrain.checkpoint import s3_arrays, storage  # noqa: E402
+from jaxtrain.checkpoint import s3_arrays  # noqa: E402
+from jaxtrain.storage import object_store  # noqa: E402
 
 BUCKET = "jaxtrain-ocdbt"
 
@@ -39,7 +40,7 @@ def servers(tmp_path_factory):
 
 def ocdbt_keys(url: str) -> list[str]:
     """The keys of the OCDBT database at `url` (a checkpoint's `state/` or one process's part)."""
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.s3_kvstore(url)}).result()
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": object_store.s3_kvstore(url)}).result()
     return sorted(k.decode() for k in kv.list().result())
 
 
@@ -108,7 +109,7 @@ def test_stock_orbax_reads_an_s3_checkpoint_copied_to_disk(servers, tmp_path):
     host = {**host_state(seed=4), "zeros": np.zeros((8, 4), np.float32)}
     with Checkpointer(url, cfg()) as ck:
         ck.save(4, to_device(host, mesh_of(2, 2, 2)), {})
-    fs = storage.filesystem(url)
+    fs = object_store.filesystem(url)
     fs.invalidate_cache()
     fs.get(f"{url}/4/", str(tmp_path / "4"), recursive=True)
     assert (tmp_path / "4" / "state" / "manifest.ocdbt").exists()
@@ -119,7 +120,7 @@ def test_stock_orbax_reads_an_s3_checkpoint_copied_to_disk(servers, tmp_path):
 
 
 def _copy_to_bucket(local: Path, url: str) -> None:
-    fs = storage.filesystem(url)
+    fs = object_store.filesystem(url)
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         fs.put_file(str(path), f"{url}/{path.relative_to(local).as_posix()}")
 

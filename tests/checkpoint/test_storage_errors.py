@@ -22,10 +22,10 @@ import pytest
 from helpers import TINY, free_port
 
 from jaxtrain import cli
-from jaxtrain.checkpoint import storage
-from jaxtrain.checkpoint.storage import TransientStorageError
+from jaxtrain.storage import object_store
+from jaxtrain.storage.object_store import TransientStorageError
 from jaxtrain.config import ConfigError
-from jaxtrain.exit_codes import EXIT_RESTART, EXIT_USAGE
+from jaxtrain.runtime.exit_codes import EXIT_RESTART, EXIT_USAGE
 
 ATTEMPTS = 4  # RETRY_ATTEMPTS in these tests
 
@@ -102,7 +102,7 @@ def _clear_clients() -> None:
     """Forget every cached client: each test's endpoint is gone after it, and a client cached with
     its address (gcsfs, s3fs, and etils.epath's own cache of them, which Orbax uses) would send the
     next test's requests (test_object_storage's included) to a dead or hung server for ever."""
-    storage._ok.clear()  # a bucket that passed once is not checked again in the process
+    object_store._ok.clear()  # a bucket that passed once is not checked again in the process
     from storage_servers import clear_client_caches
     clear_client_caches()
 
@@ -112,10 +112,10 @@ def fresh(monkeypatch, tmp_path) -> Iterator[None]:
     """Fresh clients, short retries, and an environment that points at no real cloud: fake S3
     keys, no AWS profile files, no metadata services."""
     _clear_clients()
-    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", ATTEMPTS)
-    monkeypatch.setattr(storage, "RETRY_FIRST_WAIT_S", 0.01)
-    monkeypatch.setattr(storage, "RETRY_DEADLINE_S", 20.0)
-    monkeypatch.setattr(storage, "PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(object_store, "RETRY_ATTEMPTS", ATTEMPTS)
+    monkeypatch.setattr(object_store, "RETRY_FIRST_WAIT_S", 0.01)
+    monkeypatch.setattr(object_store, "RETRY_DEADLINE_S", 20.0)
+    monkeypatch.setattr(object_store, "PROBE_TIMEOUT_S", 2.0)
     for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
                  "AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -169,13 +169,13 @@ def test_s3_transient_answers_are_retried_then_transient(monkeypatch, endpoint, 
     server = endpoint(status, body)
     use_s3(monkeypatch, server.url)
     with pytest.raises(TransientStorageError) as e:
-        storage.check_access("s3://bucket/run")
+        object_store.check_access("s3://bucket/run")
     assert len(server.requests) == ATTEMPTS, server.requests  # one request per attempt: no hidden retries
     assert all(r.startswith("GET /bucket?list-type=2") for r in server.requests), server.requests
     message = one_line(str(e.value))
     assert shown in message and f"gave up after {ATTEMPTS} attempts" in message, message
     assert message.startswith("run.output_dir='s3://bucket/run': ") and server.url in message
-    assert ("s3", "bucket") not in storage._ok
+    assert ("s3", "bucket") not in object_store._ok
 
 
 @pytest.mark.parametrize("status, body, shown", [
@@ -190,7 +190,7 @@ def test_s3_definite_answers_are_config_errors_at_once(monkeypatch, endpoint, st
     server = endpoint(status, body)
     use_s3(monkeypatch, server.url)
     with pytest.raises(ConfigError) as e:
-        storage.check_access("s3://bucket/run", key="checkpoint.init_from")
+        object_store.check_access("s3://bucket/run", key="checkpoint.init_from")
     assert len(server.requests) == 1, server.requests  # not retried
     message = one_line(str(e.value))
     assert shown in message and message.startswith("checkpoint.init_from='s3://bucket/run': "), message
@@ -200,29 +200,29 @@ def test_s3_passes_once_the_endpoint_answers(monkeypatch, endpoint):
     """Two 503s, then the listing: the check passes on its third attempt and is remembered."""
     server = endpoint(respond=lambda n: (503, s3_error("SlowDown", "slow down")) if n <= 2 else (200, EMPTY_LISTING))
     use_s3(monkeypatch, server.url)
-    storage.check_access("s3://bucket/run")
-    assert len(server.requests) == 3 and ("s3", "bucket") in storage._ok
-    storage.check_access("s3://bucket/other")  # remembered: no request
+    object_store.check_access("s3://bucket/run")
+    assert len(server.requests) == 3 and ("s3", "bucket") in object_store._ok
+    object_store.check_access("s3://bucket/other")  # remembered: no request
     assert len(server.requests) == 3
 
 
 def test_refused_connection_is_transient(monkeypatch):
     use_s3(monkeypatch, f"http://127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(TransientStorageError, match="Could not connect to the endpoint URL"):
-        storage.check_access("s3://bucket/run")
+        object_store.check_access("s3://bucket/run")
 
 
 def test_hung_endpoint_times_out_and_is_transient(monkeypatch, endpoint):
     """Each attempt ends at its 0.3 s timeout: both are over long before one answer of the hung
     endpoint would come (20 s; the bound leaves seconds for a loaded machine's client set-up,
     which made a 3 s bound on a 1.5 s delay fail once in a full run)."""
-    monkeypatch.setattr(storage, "PROBE_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 2)
+    monkeypatch.setattr(object_store, "PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(object_store, "RETRY_ATTEMPTS", 2)
     server = endpoint(200, EMPTY_LISTING, delay_s=20.0)
     use_s3(monkeypatch, server.url)
     started = time.monotonic()
     with pytest.raises(TransientStorageError, match="gave up after 2 attempts") as e:
-        storage.check_access("s3://bucket/run")
+        object_store.check_access("s3://bucket/run")
     assert time.monotonic() - started < 20.0, "each attempt must end at its timeout"
     assert len(server.requests) == 2
     assert "timeout" in str(e.value).lower(), e.value
@@ -231,9 +231,9 @@ def test_hung_endpoint_times_out_and_is_transient(monkeypatch, endpoint):
 def test_backoff_stops_at_the_deadline(monkeypatch, endpoint):
     """Waits double from RETRY_FIRST_WAIT_S (times 0.5 to 1.5); none starts that would end past the
     deadline, whatever RETRY_ATTEMPTS allows."""
-    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 50)
-    monkeypatch.setattr(storage, "RETRY_FIRST_WAIT_S", 0.1)
-    monkeypatch.setattr(storage, "RETRY_DEADLINE_S", 1.0)
+    monkeypatch.setattr(object_store, "RETRY_ATTEMPTS", 50)
+    monkeypatch.setattr(object_store, "RETRY_FIRST_WAIT_S", 0.1)
+    monkeypatch.setattr(object_store, "RETRY_DEADLINE_S", 1.0)
     server = endpoint(503)
     use_s3(monkeypatch, server.url)
     # The waits as the retry loop asks for them (then really taken): on a loaded machine an
@@ -244,13 +244,13 @@ def test_backoff_stops_at_the_deadline(monkeypatch, endpoint):
     started = time.monotonic()
 
     def sleep(seconds: float) -> None:
-        if sys._getframe(1).f_code is storage.check_access.__code__:  # the retry loop's, not a client's
+        if sys._getframe(1).f_code is object_store.check_access.__code__:  # the retry loop's, not a client's
             waits.append((time.monotonic() - started, seconds))
         real_sleep(seconds)
 
     monkeypatch.setattr(time, "sleep", sleep)
     with pytest.raises(TransientStorageError):
-        storage.check_access("s3://bucket/run")
+        object_store.check_access("s3://bucket/run")
     monkeypatch.setattr(time, "sleep", real_sleep)
     # Nominal waits 0.1, 0.2, 0.4, 0.8 s (x 0.5-1.5): at most 4 within the second, each growing, none
     # ending past the deadline; one attempt after each wait.
@@ -263,12 +263,12 @@ def test_no_credentials_is_definite_off_ec2_and_retried_on_ec2(monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     use_s3(monkeypatch, f"http://127.0.0.1:{free_port()}")
-    monkeypatch.setattr(storage, "_on_ec2", lambda: False)
+    monkeypatch.setattr(object_store, "_on_ec2", lambda: False)
     with pytest.raises(ConfigError, match="no AWS credentials found"):
-        storage.check_access("s3://bucket/run")
-    monkeypatch.setattr(storage, "_on_ec2", lambda: True)
+        object_store.check_access("s3://bucket/run")
+    monkeypatch.setattr(object_store, "_on_ec2", lambda: True)
     with pytest.raises(TransientStorageError, match="instance metadata service.*gave up after 4 attempts"):
-        storage.check_access("s3://bucket/run")
+        object_store.check_access("s3://bucket/run")
 
 
 # ----------------------------------------------------------------------------- GCS
@@ -278,7 +278,7 @@ def test_gcs_503_is_retried_then_transient_without_traceback(monkeypatch, endpoi
     server = endpoint(503, gcs_error(503, "Backend Error"))
     use_gcs(monkeypatch, server.url)
     with pytest.raises(TransientStorageError) as e:
-        storage.check_access("gs://bucket/run")
+        object_store.check_access("gs://bucket/run")
     message = one_line(str(e.value))
     assert "HTTP 503: Backend Error" in message and f"gave up after {ATTEMPTS} attempts" in message, message
     assert len(server.requests) >= ATTEMPTS  # gcsfs retries inside each attempt too
@@ -289,10 +289,10 @@ def test_gcs_503_is_retried_then_transient_without_traceback(monkeypatch, endpoi
 @pytest.mark.parametrize("status, shown", [(403, "Forbidden"), (404, "bucket 'bucket' does not exist"),
                                            (400, "Bad Request")])
 def test_gcs_definite_answers_are_config_errors_at_once(monkeypatch, endpoint, capfd, status, shown):
-    server = endpoint(status, gcs_error(status, "invalid: caller does not have storage.objects.list access"))
+    server = endpoint(status, gcs_error(status, "invalid: caller does not have object_store.objects.list access"))
     use_gcs(monkeypatch, server.url)
     with pytest.raises(ConfigError) as e:
-        storage.check_access("gs://bucket/run")
+        object_store.check_access("gs://bucket/run")
     assert len(server.requests) == 1 and shown in one_line(str(e.value)), (server.requests, e.value)
     assert capfd.readouterr().err == ""
 
@@ -367,7 +367,7 @@ def _garbled_json() -> Exception:
 @pytest.mark.parametrize("case", range(len(_cases())), ids=[c[0] for c in _cases()])
 def test_classification(case):
     name, make, transient = _cases()[case]
-    assert storage.is_transient(make()) is transient, name
+    assert object_store.is_transient(make()) is transient, name
 
 
 # ----------------------------------------------------------------------------- user info, the CLI
@@ -381,11 +381,11 @@ def test_endpoint_user_info_never_reaches_an_error_line(monkeypatch, endpoint, c
     if scheme == "s3":
         use_s3(monkeypatch, url)
         with pytest.raises(ConfigError, match="AWS_ENDPOINT_URL at http://127.0.0.1:.* must not contain user info"):
-            storage.check_access("s3://bucket/run")
+            object_store.check_access("s3://bucket/run")
     else:
         use_gcs(monkeypatch, url)
         with pytest.raises(TransientStorageError) as e:
-            storage.check_access("gs://bucket/run")
+            object_store.check_access("gs://bucket/run")
         assert "hunter2" not in str(e.value) and "someone" not in str(e.value)
         _clear_clients()
     for verb in (["checkpoints", f"{scheme}://bucket/run"],
@@ -402,7 +402,7 @@ def test_endpoint_user_info_never_reaches_an_error_line(monkeypatch, endpoint, c
 
 def test_redact_strips_user_info_of_every_url():
     text = 'Could not connect to "http://u:p%40ss@10.0.0.1:9000/b?x=1" nor https://tok@host/ (s3://bucket/run)'
-    assert storage._redact(text) == 'Could not connect to "http://10.0.0.1:9000/b?x=1" nor https://host/ (s3://bucket/run)'
+    assert object_store._redact(text) == 'Could not connect to "http://10.0.0.1:9000/b?x=1" nor https://host/ (s3://bucket/run)'
 
 
 @pytest.mark.parametrize("status, body, code, first", [

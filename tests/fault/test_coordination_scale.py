@@ -19,7 +19,7 @@ from contextlib import redirect_stdout
 import pytest
 from coordination_stand_in import FakeCoordinationService, Measurement, measure_all, simulate
 
-from jaxtrain.checkpoint.multihost import barrier
+from jaxtrain.runtime.multihost import barrier
 from jaxtrain.fault import preflight
 from jaxtrain.fault.stragglers import job_hosts
 from jaxtrain.fault.watchdog import LINGER_S

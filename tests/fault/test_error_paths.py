@@ -160,7 +160,7 @@ def _notice_worker(pid: int, port: int, args: list[str]) -> None:
     """One process of the job below: process 0 gets SIGTERM right after joining the job, before the
     Trainer exists (JAX's own handler has it then), then runs `jaxtrain train` as usual."""
     from jaxtrain import cli
-    from jaxtrain.launch import distributed
+    from jaxtrain.runtime import distributed
 
     real = distributed.initialize
 
@@ -239,7 +239,7 @@ def test_joining_the_job_waits_fault_startup_timeout_s(monkeypatch):
     import jax
 
     from jaxtrain import cli
-    from jaxtrain.launch import distributed
+    from jaxtrain.runtime import distributed
 
     class Joined(Exception):
         pass

@@ -65,9 +65,10 @@ def _worker(pid: int, port: int, out: str) -> None:
     call the main thread makes, by step."""
     os.environ.update({"JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}", "JAXTRAIN_NUM_PROCESSES": "2",
                        "JAXTRAIN_PROCESS_ID": str(pid)})
-    from jaxtrain.launch import distributed
+    from jaxtrain.runtime import distributed
     distributed.initialize()
-    from jaxtrain.checkpoint import checkpointer, multihost
+    from jaxtrain.checkpoint import checkpointer
+    from jaxtrain.runtime import multihost
     from jaxtrain.config import load_config
     from jaxtrain.trainer import Trainer
 

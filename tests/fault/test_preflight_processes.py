@@ -17,7 +17,7 @@ import sys
 import pytest
 from helpers import TINY, free_port
 
-from jaxtrain import env as jaxtrain_env
+from jaxtrain.runtime import env as jaxtrain_env
 
 DEVICES = 2  # per process
 SLOW_S = 0.05  # a bad link's extra time per exchange (an exchange of 1 MiB takes a few ms here)

@@ -22,7 +22,7 @@ import pytest
 from helpers import REPO, TINY
 
 from jaxtrain.config import FaultConfig
-from jaxtrain.exit_codes import EXIT_RESTART
+from jaxtrain.runtime.exit_codes import EXIT_RESTART
 from jaxtrain.fault.watchdog import Watchdog
 
 DEADLINE_S = 1.0
@@ -61,7 +61,7 @@ elif case == "wedged_coordinator":  # every key-value set blocks forever
             return []
         def key_value_increment(self, *args, **kwargs):
             time.sleep(1e6)
-    fake = types.ModuleType("jaxtrain.checkpoint.multihost")
+    fake = types.ModuleType("jaxtrain.runtime.multihost")
     fake.client = Wedged
     sys.modules[fake.__name__] = fake  # no jax needed
     wd.LINGER_S = 1.0
@@ -336,7 +336,7 @@ class FakeKV:
 
 
 def job_view(monkeypatch, tmp_path, process: int, kv: FakeKV, count: int = 3):
-    from jaxtrain.checkpoint import multihost
+    from jaxtrain.runtime import multihost
 
     monkeypatch.setattr(multihost, "client", lambda: kv)
     w = Watchdog(FaultConfig(hang_timeout_s=4), output_dir=str(tmp_path), process_index=process, process_count=count)
@@ -374,7 +374,7 @@ def test_the_hang_event_as_written_is_read_by_blame_and_goodput(monkeypatch, tmp
     and `jaxtrain goodput`, in place of the two lines per hang the old format had."""
     import time as clock
 
-    from jaxtrain.checkpoint import multihost
+    from jaxtrain.runtime import multihost
     from jaxtrain.launch.policy import blamed_process
     from jaxtrain.launch.recovery_cli import print_blame
     from jaxtrain.observe.goodput import goodput

@@ -28,7 +28,7 @@ from safetensors.numpy import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jaxtrain import cli
-from jaxtrain.checkpoint import restore_params_only
+from jaxtrain.checkpoint.checkpointer import restore_params_only
 from jaxtrain.config import load_config
 from jaxtrain.hf import hf_tensors_from_params
 from jaxtrain.model.llama import Transformer, rotary

@@ -1,6 +1,6 @@
 """The `JAXTRAIN_*` contract between the cluster recipes and the processes they start.
 
-`jaxtrain/env.py` is the one place the names are written in Python; the recipes (train.sbatch,
+`jaxtrain/runtime/env.py` is the one place the names are written in Python; the recipes (train.sbatch,
 the Kubernetes JobSet, the TPU launch script, the GPU check) spell them in shell and YAML. A name
 a recipe sets that no process reads, or a name a process needs that a recipe does not set, is a
 silent misconfiguration on a real cluster: these tests make it a failure here.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxtrain import env
+from jaxtrain.runtime import env
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "tpu_gpu_setup").rglob("*") if p.suffix in (".sh", ".sbatch", ".yaml", ".md"))
@@ -27,7 +27,7 @@ def test_every_name_a_recipe_uses_is_defined_in_env_py():
 
 
 def test_the_python_code_writes_no_name_by_hand():
-    """Outside env.py, `jaxtrain/` names the variables through `jaxtrain.env` (docstrings and
+    """Outside env.py, `jaxtrain/` names the variables through `jaxtrain.runtime.env` (docstrings and
     comments may mention them)."""
     offenders = []
     for path in sorted((REPO / "jaxtrain").rglob("*.py")):

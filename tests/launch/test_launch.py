@@ -28,7 +28,7 @@ from helpers import TINY, read_jsonl
 from trees import assert_trees_close, assert_trees_equal, final_params
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.env import RESTART_ATTEMPT as RESTART_ATTEMPT_ENV, SLOT as SLOT_ENV
+from jaxtrain.runtime.env import RESTART_ATTEMPT as RESTART_ATTEMPT_ENV, SLOT as SLOT_ENV
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, plan_shrink
 from jaxtrain.launch.runfiles import last_known_step
 from jaxtrain.launch.supervisor import Supervisor, main

@@ -6,7 +6,7 @@
   v1alpha2 API (jobset.x-k8s.io, `api/jobset/v1alpha2/jobset_types.go`): no PyPI package ships the
   JobSet CRD's OpenAPI schema. The failure rules say what docs/launch.md says (2 and 78 fail the
   JobSet, a disruption is ignored), and the `JAXTRAIN_*` environment it sets, resolved as the
-  kubelet would, is what `jaxtrain.launch.distributed` reads to form one job.
+  kubelet would, is what `jaxtrain.runtime.distributed` reads to form one job.
 - `tpu_gpu_setup/tpu/launch.sh`: run with a stand-in `gcloud` on PATH that records its arguments;
   the per-worker command it sends is then run in a shell with stand-in `curl` (the metadata
   server) and `~/venv/bin/python`, which records its environment and arguments.
@@ -24,8 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
-from jaxtrain import env
-from jaxtrain.exit_codes import EXIT_HUMAN, EXIT_USAGE
+from jaxtrain.runtime import env
+from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_USAGE
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
@@ -161,7 +161,7 @@ def resolve_env(entries: list[dict], annotations: dict[str, str]) -> dict[str, s
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_the_environment_it_sets_is_what_distributed_py_reads(jobset, monkeypatch, index):
-    from jaxtrain.launch import distributed
+    from jaxtrain.runtime import distributed
 
     job = workers(jobset)["template"]["spec"]
     pods = job["parallelism"]
@@ -247,7 +247,7 @@ def test_the_tpu_launch_script_starts_jaxtrain_train_on_every_worker_with_the_jo
 
 
 def test_the_tpu_launch_coordinates_are_what_distributed_py_reads(tmp_path, monkeypatch):
-    from jaxtrain.launch import distributed
+    from jaxtrain.runtime import distributed
 
     for name, value in {env.COORDINATOR: "10.0.0.7:8476", env.NUM_PROCESSES: "3", env.PROCESS_ID: "2"}.items():
         monkeypatch.setenv(name, value)

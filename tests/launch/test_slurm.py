@@ -1,6 +1,6 @@
 """SLURM for real: `tpu_gpu_setup/gpu/slurm/train.sbatch` on a one-node cluster, 2 tasks on CPUs.
 
-- uninterrupted: the sbatch script forms one 2-process, 4-device JAX job (jaxtrain.launch.distributed sees
+- uninterrupted: the sbatch script forms one 2-process, 4-device JAX job (jaxtrain.runtime.distributed sees
   SLURM_NTASKS=2 and calls a bare `jax.distributed.initialize()`, which reads SLURM's environment);
 - a task killed mid-run (chaos.kill_at_step on task 1): the script restarts the step inside the
   allocation, which resumes from its checkpoint and ends bitwise equal to the uninterrupted run;

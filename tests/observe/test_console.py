@@ -17,7 +17,7 @@ import jax
 import pytest
 from helpers import TINY
 
-from jaxtrain import env
+from jaxtrain.runtime import env
 from jaxtrain.config import load_config
 from jaxtrain.observe import throughput
 from jaxtrain.observe.runlog import RunLog, read_log

@@ -7,7 +7,7 @@ run continues after the existing segments with one listing and never rewrites on
 writer loses only what was written since its last upload; TensorBoard gets new event files
 (each with its own header) instead of one rewritten file; and every reader (read_log, goodput,
 the launchers' blame) reads the segments after the whole object of a run written before them.
-The code under test is the real RunLog / AppendOnlyFile; only `storage.filesystem` is wrapped,
+The code under test is the real RunLog / AppendOnlyFile; only `object_store.filesystem` is wrapped,
 to count (or slow down) the writes of the real fsspec client.
 """
 
@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from storage_servers import clear_client_caches, storage_servers  # noqa: E402
 
-from jaxtrain.checkpoint import storage  # noqa: E402
+from jaxtrain.storage import appended_log, object_store  # noqa: E402
 from jaxtrain.observe import runlog  # noqa: E402
 from jaxtrain.observe.runlog import RunLog  # noqa: E402
 
@@ -70,26 +70,26 @@ class Recording:
 
 @pytest.fixture
 def recording(servers, monkeypatch):
-    """Every storage.filesystem() answers one Recording of the real client (fresh caches)."""
+    """Every object_store.filesystem() answers one Recording of the real client (fresh caches)."""
     clear_client_caches()
     made: dict[str, Recording] = {}
-    real = storage.filesystem
+    real = object_store.filesystem
 
     def filesystem(url):
-        scheme = storage.split_url(url)[0]
+        scheme = object_store.split_url(url)[0]
         if scheme not in made:
             made[scheme] = Recording(real(url))
         return made[scheme]
 
-    monkeypatch.setattr(storage, "filesystem", filesystem)
+    monkeypatch.setattr(object_store, "filesystem", filesystem)
     return lambda scheme: filesystem(f"{scheme}://{BUCKET}")
 
 
 def objects(url: str) -> dict[str, bytes]:
     """Every object under `url` and its bytes, fresh from the server."""
-    fs = storage.filesystem(url)
+    fs = object_store.filesystem(url)
     fs.invalidate_cache()
-    scheme = storage.split_url(url)[0]
+    scheme = object_store.split_url(url)[0]
     return {f"{scheme}://{o.split('://')[-1]}": fs.cat_file(o) for o in sorted(fs.find(url))}
 
 
@@ -100,7 +100,7 @@ def line(i: int) -> str:
 def upload_cost(url: str, lines: int, fs: Recording) -> tuple[int, int, int]:
     """(bytes uploaded, largest upload, bytes written) for `lines` lines, each stored before the next."""
     before = len(fs.writes)
-    f = storage.AppendOnlyFile(url, flush_interval_s=3600)
+    f = appended_log.AppendOnlyFile(url, flush_interval_s=3600)
     written = 0
     for i in range(lines):
         f.write(line(i))
@@ -112,8 +112,8 @@ def upload_cost(url: str, lines: int, fs: Recording) -> tuple[int, int, int]:
 
 
 def test_bytes_uploaded_grow_linearly_and_each_upload_is_one_segment(recording, monkeypatch):
-    monkeypatch.setattr(storage, "SEGMENT_BYTES", 2048, raising=False)
-    monkeypatch.setattr(storage, "SEGMENT_UPLOADS", 4, raising=False)
+    monkeypatch.setattr(appended_log, "SEGMENT_BYTES", 2048, raising=False)
+    monkeypatch.setattr(appended_log, "SEGMENT_UPLOADS", 4, raising=False)
     fs = recording("s3")
     short = upload_cost(f"s3://{BUCKET}/linear/short.jsonl", 40, fs)
     long = upload_cost(f"s3://{BUCKET}/linear/long.jsonl", 160, fs)
@@ -121,9 +121,9 @@ def test_bytes_uploaded_grow_linearly_and_each_upload_is_one_segment(recording, 
     assert long[0] <= 1.25 * 4 * short[0], (short, long)
     assert long[0] <= (4 + 2) * long[2], long  # at most SEGMENT_UPLOADS + 1 uploads of each byte, and slack
     assert long[1] <= 2048 + len(line(999)), long  # no upload is larger than a segment
-    data = storage.read_appended(f"s3://{BUCKET}/linear/long.jsonl")
+    data = appended_log.read_appended(f"s3://{BUCKET}/linear/long.jsonl")
     assert data.decode() == "".join(line(i) for i in range(160))  # every line, once, in order
-    assert len(storage.list_segments(f"s3://{BUCKET}/linear/long.jsonl")) >= 160 * len(line(0)) // 2048
+    assert len(appended_log.list_segments(f"s3://{BUCKET}/linear/long.jsonl")) >= 160 * len(line(0)) // 2048
 
 
 def test_an_event_does_not_wait_for_a_slow_store_and_is_uploaded_at_once(recording):
@@ -164,7 +164,7 @@ def test_a_resumed_run_continues_after_the_segments_and_never_rewrites_one(recor
     url = f"{scheme}://{BUCKET}/resumed"
     fs = recording(scheme)
     # A run written before segments: its whole events.jsonl object comes first.
-    storage.filesystem(url).pipe_file(f"{url}/events.jsonl", b'{"time": 1.0, "step": 0, "kind": "legacy"}\n')
+    object_store.filesystem(url).pipe_file(f"{url}/events.jsonl", b'{"time": 1.0, "step": 0, "kind": "legacy"}\n')
     first = RunLog(url)
     for kind in ("start", "checkpoint_saved"):
         first.event(kind, 1)
@@ -209,7 +209,7 @@ os._exit(0)  # like a kill: no close()
 
 def test_tensorboard_rotates_to_new_event_files_each_with_a_header(recording, monkeypatch, tmp_path):
     from jaxtrain.observe.tensorboard import ScalarWriter, _fields, read_scalars
-    monkeypatch.setattr(storage, "SEGMENT_BYTES", 600, raising=False)
+    monkeypatch.setattr(appended_log, "SEGMENT_BYTES", 600, raising=False)
     url = f"gs://{BUCKET}/tb"
     fs = recording("gs")
     writer = ScalarWriter(url, flush_interval_s=3600)
@@ -248,17 +248,17 @@ def test_goodput_and_blame_read_a_run_in_segments_like_its_local_copy(recording,
     from jaxtrain.observe.goodput import goodput
     from goodput_run import EVENTS, METRICS, write_run
 
-    monkeypatch.setattr(storage, "SEGMENT_BYTES", 400, raising=False)
+    monkeypatch.setattr(appended_log, "SEGMENT_BYTES", 400, raising=False)
     url = f"s3://{BUCKET}/goodput"
     events = [*EVENTS[:-1], {"time": EVENTS[-1]["time"], "step": 0, "kind": "hang", "behind": [1]}, EVENTS[-1]]
     half = len(events) // 2
-    storage.filesystem(url).pipe_file(f"{url}/events.jsonl", "".join(json.dumps(e) + "\n" for e in events[:half]).encode())
+    object_store.filesystem(url).pipe_file(f"{url}/events.jsonl", "".join(json.dumps(e) + "\n" for e in events[:half]).encode())
     for name, records in (("events.jsonl", events[half:]), ("metrics.jsonl", METRICS)):
-        f = storage.AppendOnlyFile(f"{url}/{name}", flush_interval_s=3600)
+        f = appended_log.AppendOnlyFile(f"{url}/{name}", flush_interval_s=3600)
         for r in records:
             f.write(json.dumps(r) + "\n")
         f.close()
-    assert len(storage.list_segments(f"{url}/events.jsonl")) >= 2
+    assert len(appended_log.list_segments(f"{url}/events.jsonl")) >= 2
     local = write_run(tmp_path / "run", events, METRICS)
     assert runlog.read_log(url, "events.jsonl") == events and runlog.read_log(url, "metrics.jsonl") == METRICS
     assert {**goodput(url), "run_dir": None} == {**goodput(local), "run_dir": None}

@@ -19,7 +19,7 @@ from jaxtrain.config import load_config
 from jaxtrain.parallel.sharding import global_batch
 from jaxtrain.train.step import BATCH_KEYS
 from jaxtrain.trainer import Trainer
-from jaxtrain.xla_cpu import cpu_xla_flags
+from jaxtrain.runtime.xla_cpu import cpu_xla_flags
 
 
 L = 64
@@ -171,8 +171,8 @@ def test_jaxtrain_train_runs_sequence_parallel_with_its_own_cpu_flags(tmp_path, 
     train` and its CPU flags: with YNNPACK's elementwise fusions on it failed at its first step ("Instruction
     with unsupported layout in YNN fusion", RMSNorm's backward and rotary's angles): its all-gathers along
     length are laid out length-major and pass that layout to the fusions that feed them. The CLI keeps
-    YNNPACK for dots and reductions for such configs (jaxtrain/xla_cpu.py)."""
-    from jaxtrain.xla_cpu import YNN_FUSIONS, YNN_FUSIONS_NO_ELTWISE
+    YNNPACK for dots and reductions for such configs (jaxtrain/runtime/xla_cpu.py)."""
+    from jaxtrain.runtime.xla_cpu import YNN_FUSIONS, YNN_FUSIONS_NO_ELTWISE
     out = tmp_path / "run"
     r = jaxtrain_train("--config", TINY, "--cpu-devices", "8", "data.seq_len=512",
                        "model.max_seq_len=512", "mesh.context=2", "mesh.tensor=2", "mesh.data=2", SEQUENCE_PARALLEL,

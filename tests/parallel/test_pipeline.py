@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from trees import assert_trees_close, assert_trees_differ, assert_trees_equal
 
 from jaxtrain import cli
-from jaxtrain.checkpoint import restore_params_only
+from jaxtrain.checkpoint.checkpointer import restore_params_only
 from jaxtrain.config import DEFAULT_RULES, ConfigError, MeshConfig, load_config
 from jaxtrain.observe.inspection import collective_bytes, format_report, inspect_report
 from jaxtrain.parallel import pipeline

@@ -228,7 +228,7 @@ print(json.dumps({"lean": lean.temp_size_in_bytes, "plain": plain.temp_size_in_b
 
 def test_initialisation_under_the_runs_cpu_flags_needs_less_than_the_state():
     """`jaxtrain train` turns on YNNPACK's elementwise and reduce fusions on the CPU
-    (jaxtrain/xla_cpu.py). Under them XLA compiled the shrunk llama3-70b's initialisation with
+    (jaxtrain/runtime/xla_cpu.py). Under them XLA compiled the shrunk llama3-70b's initialisation with
     27.7 GiB of temporaries for 7.83 GiB of state: a 29.7 GB allocation, refused at start-up on a
     24 GiB machine. The trainer's init (`StateLayout.compiled_init`) compiles without them: its
     temporaries stay below the state, in a process started with the run's flags, one device."""
@@ -237,7 +237,7 @@ def test_initialisation_under_the_runs_cpu_flags_needs_less_than_the_state():
     import subprocess
     import sys
 
-    from jaxtrain.xla_cpu import cpu_xla_flags
+    from jaxtrain.runtime.xla_cpu import cpu_xla_flags
     flags = cpu_xla_flags()
     if not flags:
         pytest.skip("this jaxlib is not one the CPU flags were checked with: jaxtrain sets none")

@@ -19,7 +19,8 @@ from helpers import TINY, read_jsonl
 from jax.extend import core as jax_core
 from trees import assert_trees_equal, named_leaves
 
-from jaxtrain.checkpoint import Checkpointer, list_checkpoints
+from jaxtrain.checkpoint.checkpointer import Checkpointer
+from jaxtrain.checkpoint.layout import list_checkpoints
 from jaxtrain.checkpoint.layout import MARKER
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model.llama import Transformer

@@ -9,7 +9,7 @@
 #
 # Every worker gets the job's coordinates explicitly (JAXTRAIN_COORDINATOR = worker 0's internal
 # IP, JAXTRAIN_NUM_PROCESSES = number of workers, JAXTRAIN_PROCESS_ID = its worker number from the
-# metadata server), so jaxtrain.launch.distributed forms one job without relying on auto-detection.
+# metadata server), so jaxtrain.runtime.distributed forms one job without relying on auto-detection.
 # Use a gs:// run.output_dir (or a shared filesystem): every worker writes its checkpoint shards there.
 # Training runs under nohup, so it survives the ssh session; output goes to ~/train.log per worker.
 # No supervisor here: after a crash or preemption run the same command again and the job resumes

@@ -23,8 +23,9 @@ from typing import Optional
 import jax
 import jax.monitoring
 
-from jaxtrain.checkpoint.layout import is_local, to_path, write_atomic
-from jaxtrain.checkpoint.paths import join
+from jaxtrain.storage.paths import is_local, to_path
+from jaxtrain.storage.small_files import write_atomic
+from jaxtrain.storage.paths import join
 
 AUTO = "auto"  # <run.output_dir>/compilation_cache
 SUBDIR = "compilation_cache"

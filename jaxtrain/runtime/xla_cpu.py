@@ -1,6 +1,6 @@
 """XLA flags that make the CPU backend faster; `jaxtrain train` sets them on the CPU by itself.
 
-    from jaxtrain.xla_cpu import cpu_xla_flags, with_flags     # before JAX is imported
+    from jaxtrain.runtime.xla_cpu import cpu_xla_flags, with_flags     # before JAX is imported
     os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cpu_xla_flags())
 
 - `--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`: XLA's CPU backend hands dots,
@@ -13,7 +13,7 @@
 XLA's concurrency-optimised schedule (on by default) stays on for every model. The MoE step once
 looked 35-50% slower with it (0.034 against 0.025 s on moe-tiny), and a flag turned it off for a
 mixture of experts. The cause was page faults, not the schedule: with it, the step's temporaries
-grew past 32 MiB, above which glibc maps memory afresh at every step. With jaxtrain/host_malloc.py's
+grew past 32 MiB, above which glibc maps memory afresh at every step. With jaxtrain/runtime/host_malloc.py's
 settings, which `jaxtrain train` applies on the CPU, the MoE step runs as fast with the schedule
 as without, and the dense one keeps its ~15% gain from it.
 

@@ -1,6 +1,6 @@
 """glibc malloc settings for XLA:CPU: keep freed memory in the process instead of returning it to the kernel.
 
-    from jaxtrain.host_malloc import retain_freed_memory
+    from jaxtrain.runtime.host_malloc import retain_freed_memory
     retain_freed_memory()       # `jaxtrain train`/`inspect`/`preflight` do this by themselves on the CPU
 
 XLA:CPU allocates a program's temporaries as one buffer at every execution (buffer assignment's
@@ -43,7 +43,7 @@ import os
 import platform
 import sys
 
-from jaxtrain import env
+from jaxtrain.runtime import env
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc malloc.h
 SETTINGS = {"mmap_max": (M_MMAP_MAX, 0), "trim_threshold": (M_TRIM_THRESHOLD, 1 << 30),

@@ -17,9 +17,9 @@ import os
 
 import jax
 
-from jaxtrain import env
+from jaxtrain.runtime import env
 from jaxtrain.config import FaultConfig
-from jaxtrain.xla_cpu import has_accelerator_hint
+from jaxtrain.runtime.xla_cpu import has_accelerator_hint
 
 
 def cluster_env() -> dict[str, str | int] | None:
