@@ -42,3 +42,32 @@ def mesh_of(*, axes: tuple[str, ...] | None = None, devices=None, **sizes):
     shape = tuple(sizes.get(a, 1) for a in axes)
     devices = list(devices if devices is not None else jax.devices())[:int(np.prod(shape))]
     return jax.make_mesh(shape, axes, devices=devices)
+
+
+def pack_at(batch: dict, bounds: tuple[int, ...]) -> dict:
+    """`batch` with every row packed: documents start at 0 and at each of `bounds`, so segment ids
+    and per-document positions are exercised, not just the causal mask (in place; returned)."""
+    import numpy as np
+
+    pos = np.arange(batch["segment_ids"].shape[-1])
+    segment = np.searchsorted(np.array(bounds), pos, side="right") + 1
+    batch["segment_ids"][:] = segment
+    batch["positions"][:] = pos - np.array((0,) + tuple(bounds))[segment - 1]
+    return batch
+
+
+class Packed:
+    """A trainer's data source with every batch packed at `bounds` (its order, position and state
+    untouched: everything but `__next__` is the wrapped source's)."""
+
+    def __init__(self, data, bounds: tuple[int, ...]):
+        self.data, self.bounds = data, bounds
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return pack_at(next(self.data), self.bounds)
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)

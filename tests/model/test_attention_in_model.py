@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Packed, pack_at
 from trees import assert_trees_close, assert_trees_differ
 
 import jaxtrain.kernels as kernels
@@ -30,41 +31,16 @@ SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model
 BOUNDS = (10, 132)
 
 
-def pack(batch: dict) -> dict:
-    """Packed rows: document boundaries mid-tile and a document across tiles, so the kernel's
-    segment masking and per-document positions are exercised, not just the causal mask."""
-    pos = np.arange(L)
-    segment = np.searchsorted(np.array(BOUNDS), pos, side="right") + 1
-    batch["segment_ids"][:] = segment
-    batch["positions"][:] = pos - np.array((0,) + BOUNDS)[segment - 1]
-    return batch
-
-
-class Packed:
-    """The trainer's data source with every batch packed (its order, position and state untouched)."""
-
-    def __init__(self, data):
-        self.data = data
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        return pack(next(self.data))
-
-    def __getattr__(self, name):
-        return getattr(self.data, name)
-
 
 def run(attention: str, mesh: tuple[str, ...] = (), devices: int = 1, steps: int = 3):
     """(first step's metrics, the gradients it applied, params after `steps` steps) on packed rows."""
     trainer = Trainer(load_config(None, SMALL + [f"model.attention={attention}", *mesh]), write_files=False,
                       devices=jax.devices()[:devices])
-    first = pack(next(type(trainer.data)(trainer.cfg, 0, 1)))  # the batch of the trainer's first step
+    first = pack_at(next(type(trainer.data)(trainer.cfg, 0, 1)), BOUNDS)  # the batch of the trainer's first step
     first = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)  # the step donates its input
     _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, first)
-    trainer.data = Packed(trainer.data)
+    trainer.data = Packed(trainer.data, BOUNDS)
     initial = jax.device_get(trainer.state["params"])
     losses = [trainer.step()["loss"] for _ in range(steps)]
     assert losses[0] == float(metrics["loss"])  # the trainer's first step ran on that same packed batch

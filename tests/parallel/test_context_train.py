@@ -12,7 +12,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import TINY
+from helpers import TINY, Packed, pack_at
 from trees import assert_trees_close, assert_trees_differ
 
 from jaxtrain.config import load_config
@@ -29,35 +29,14 @@ SMALL = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model
 BOUNDS = (5, 21, 45)  # off every chunk grid (chunks of 4 at zig-zag context 8); documents span shards
 
 
-def pack(batch: dict) -> dict:
-    pos = np.arange(L)
-    segment = np.searchsorted(np.array(BOUNDS), pos, side="right") + 1
-    batch["segment_ids"][:] = segment
-    batch["positions"][:] = pos - np.array((0,) + BOUNDS)[segment - 1]
-    return batch
-
-
-class Packed:
-    def __init__(self, data):
-        self.data = data
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        return pack(next(self.data))
-
-    def __getattr__(self, name):
-        return getattr(self.data, name)
-
 
 def run(*overrides: str, steps: int = 3):
     trainer = Trainer(load_config(None, SMALL + list(overrides)), write_files=False, devices=jax.devices()[:8])
-    first = pack(next(type(trainer.data)(trainer.cfg, 0, 1)))
+    first = pack_at(next(type(trainer.data)(trainer.cfg, 0, 1)), BOUNDS)
     first = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)
     _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, first)
-    trainer.data = Packed(trainer.data)
+    trainer.data = Packed(trainer.data, BOUNDS)
     initial = jax.device_get(trainer.state["params"])
     losses = [trainer.step()["loss"] for _ in range(steps)]
     assert losses[0] == float(metrics["loss"])
