@@ -120,3 +120,33 @@ def _context_attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, implementation: str,
     qkv = partitioning.spec(("batch", "length", "heads", "head_dim"))
     return context.context_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, partitioning.context, partitioning.mesh,
                                      qkv, partitioning.spec(("batch", "length")), block_fwd, block_bwd)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def write_cache(cache_BSKH: jax.Array, new_BLKH: jax.Array, start_B: jax.Array) -> jax.Array:
+    """`cache` with each row's new keys (or values) written at slots start_b .. start_b + L - 1."""
+    def one_row(cache_SKH, new_LKH, start):
+        return jax.lax.dynamic_update_slice_in_dim(cache_SKH, new_LKH.astype(cache_SKH.dtype), start, axis=0)
+    return jax.vmap(one_row)(cache_BSKH, new_BLKH, start_B)
+
+
+@jax.named_scope("attention")
+def attend_cached(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    """Grouped-query attention of new queries over a KV cache: [B, L, N, H].
+
+    Cache slot s holds the token at position s of its row, so a query at position p sees slots
+    0..p: the causal mask, and slots past p (padding of a shorter prompt, or not yet written) are
+    never read. Plain jnp in fp32 (softmax statistics), whatever the cache's dtype: a decode step
+    is a handful of queries against the cache, memory-bound, where a fused kernel gains little.
+    """
+    B, L, N, H = q_BLNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H).astype(jnp.float32)  # query head n reads kv head n // (N/K)
+    scores = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH.astype(jnp.float32)) / math.sqrt(H)
+    visible_BLS = jnp.arange(S)[None, None, :] <= positions_BL[:, :, None]
+    scores = jnp.where(visible_BLS[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    o_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs, v_BSKH.astype(jnp.float32))
+    return o_BLKGH.reshape(B, L, N, H).astype(q_BLNH.dtype)

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model.attention import attend
+from jaxtrain.model.attention import attend, attend_cached, write_cache
 from jaxtrain.model.moe import MoE, finish_stats
 from jaxtrain.model.projection import project
 from jaxtrain.parallel import pipeline
@@ -99,6 +99,20 @@ class Attention(nnx.Module):
         o_BLNH = attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, self.implementation, part)
         return checkpoint_name(project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), "out_proj")
 
+    def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning) -> tuple[jax.Array, dict]:
+        """New tokens (contiguous positions per row) attend over the KV cache they are written into.
+
+        `cache` = {"k", "v"}: [B, S, K, H], slot s = position s. -> (out_BLD, the updated cache)."""
+        q_BLNH = rotary(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype), positions_BL, self.theta, self.llama3)
+        k_BLKH = rotary(project("bld,dkh->blkh", x_BLD, self.wk[...], dtype), positions_BL, self.theta, self.llama3)
+        v_BLKH = project("bld,dkh->blkh", x_BLD, self.wv[...], dtype)
+        names = ("batch", None, "kv_heads", "head_dim")
+        cache = {name: part.constrain(write_cache(cache[name], new, positions_BL[:, 0]), names)
+                 for name, new in (("k", k_BLKH), ("v", v_BLKH))}
+        q_BLNH = part.constrain(q_BLNH, ("batch", "length", "heads", "head_dim"))
+        o_BLNH = attend_cached(q_BLNH, cache["k"], cache["v"], positions_BL)
+        return project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), cache
+
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -139,6 +153,16 @@ class Block(nnx.Module):
             return part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
         y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), dtype, part, bias_E)
         return part.constrain(x_BLD + y_BLD, ("batch", "act_length", "act_embed")), stats
+
+    def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning, bias_E=None) -> tuple[jax.Array, dict]:
+        """`__call__` for new tokens over this layer's KV cache -> (x_BLD, the updated cache)."""
+        a_BLD, cache = self.attn.decode(self.attn_norm(x_BLD), positions_BL, cache, dtype, part)
+        x_BLD = x_BLD + a_BLD
+        if self.moe:
+            y_BLD, _ = self.mlp(self.mlp_norm(x_BLD), dtype, part, bias_E)
+        else:
+            y_BLD = self.mlp(self.mlp_norm(x_BLD), dtype, part)
+        return x_BLD + y_BLD, cache
 
 
 # What the backward pass keeps of a layer's forward pass, by `model.remat` (MaxText's names). The
@@ -313,6 +337,76 @@ class Transformer(nnx.Module):
             x_BLD, stats = pipeline.run(run_units, pure, names, x_BLD, positions_BL, segment_ids_BL, part,
                                         remat_policy=remat_policy(cfg.remat), with_stats=True)
         return self.final_norm(x_BLD), finish_stats(stats)
+
+
+    # ------------------------------------------------------------------------- decoding
+
+    def cache_stacks(self) -> dict[str, int]:
+        """The model's layer stacks, in the order they run, and their layer counts."""
+        cfg = self.cfg
+        stacks = {}
+        if hasattr(self, "dense_blocks"):
+            stacks["dense_blocks"] = cfg.first_dense_layers
+        if hasattr(self, "interleaved_dense_blocks"):
+            stacks["interleaved_dense_blocks"] = cfg.num_moe_layers * (cfg.moe_every - 1)
+        stacks["blocks"] = cfg.num_moe_layers if cfg.num_experts > 0 else cfg.num_layers
+        return stacks
+
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> dict:
+        """An empty KV cache: {stack: {"k", "v"}: [layers, batch, length, K, H]} (`decode` fills it)."""
+        cfg, dtype = self.cfg, dtype or self.dtype
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return {name: {kv: jnp.zeros((n, *shape), dtype) for kv in ("k", "v")} for name, n in self.cache_stacks().items()}
+
+    def decode(self, tokens_BL, positions_BL, cache: dict, part: Partitioning = Partitioning(),
+               router_bias=None) -> tuple[jax.Array, dict]:
+        """New tokens at `positions_BL` (contiguous per row) through every layer with its KV cache.
+
+        -> (the final hidden states [B, L, D] after the last norm, the updated cache). The prompt
+        (prefill) and each generated token (decode) both come through here: no pipeline, no context
+        split (`jaxtrain.infer` refuses those layouts); MoE layers route with `router_bias`.
+        """
+        cfg, dtype = self.cfg, self.dtype
+        x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "length", "act_embed"))
+
+        def step(graphdef):
+            def body(x_BLD, xs):
+                one_layer, layer_cache, bias_E = xs
+                return nnx.merge(graphdef, one_layer).decode(x_BLD, positions_BL, layer_cache, dtype, part, bias_E)
+            return body
+
+        def run(name, x_BLD, biases=None):
+            graphdef, layers = nnx.split(getattr(self, name))
+            x_BLD, cache[name] = jax.lax.scan(step(graphdef), x_BLD, (layers, cache[name], biases))
+            return x_BLD
+
+        cache = dict(cache)
+        if hasattr(self, "dense_blocks"):
+            x_BLD = run("dense_blocks", x_BLD)
+        if cfg.num_experts and router_bias is None:
+            router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
+        if not hasattr(self, "interleaved_dense_blocks"):
+            x_BLD = run("blocks", x_BLD, router_bias if cfg.num_experts else None)
+            return self.final_norm(x_BLD), cache
+
+        # moe_every > 1: each unit is its group's moe_every - 1 dense layers, then the MoE layer.
+        dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
+        moe_graphdef, moe = nnx.split(self.blocks)
+        group = lambda a: a.reshape(cfg.num_moe_layers, -1, *a.shape[1:])
+        ungroup = lambda a: a.reshape(-1, *a.shape[2:])
+        dense_step, moe_step = step(dense_graphdef), step(moe_graphdef)
+
+        def unit(x_BLD, xs):
+            dense_layers, dense_cache, moe_layer, moe_cache, bias_E = xs
+            x_BLD, dense_cache = jax.lax.scan(dense_step, x_BLD, (dense_layers, dense_cache, None))
+            x_BLD, moe_cache = moe_step(x_BLD, (moe_layer, moe_cache, bias_E))
+            return x_BLD, (dense_cache, moe_cache)
+
+        xs = (jax.tree_util.tree_map(group, dense), jax.tree_util.tree_map(group, cache["interleaved_dense_blocks"]),
+              moe, cache["blocks"], router_bias)
+        x_BLD, (dense_cache, cache["blocks"]) = jax.lax.scan(unit, x_BLD, xs)
+        cache["interleaved_dense_blocks"] = jax.tree_util.tree_map(ungroup, dense_cache)
+        return self.final_norm(x_BLD), cache
 
 
 def logical_axes(params_state: nnx.State) -> dict:

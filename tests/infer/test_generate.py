@@ -1,0 +1,189 @@
+"""Decoding with a KV cache (jaxtrain.infer.generate) against transformers' `generate` on the same
+weights, and the properties of sampling, sharding and compilation that a user relies on.
+
+The models are random tiny Llama and Mixtral models built by transformers, imported with the real
+`import-hf` verb, read back from the import's checkpoint: greedy decoding must give transformers'
+tokens, one by one, and the logits each token was chosen from (fp32, <= 1e-4).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax import monitoring
+from transformers import AutoModelForCausalLM
+
+from jaxtrain.commands import cli
+from jaxtrain.infer.generate import Generator, bucket
+from jaxtrain.infer.sampling import Sampling, filter_logits
+from jaxtrain.config import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
+from test_hf import LLAMA3, jax_params, make_hf  # noqa: E402
+from test_mixtral import make_mixtral  # noqa: E402
+
+# Prompts of different lengths in one batch (one past a prompt bucket of 16, one of a single token).
+PROMPTS = [[5, 17, 3, 60, 2, 9, 41], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 30],
+           [33, 12, 7, 7]]
+NEW = 24
+
+
+def hf_greedy(path: Path, prompt: list[int], new: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy continuation of one prompt and the logits of each step [new, V]."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 1)[0].numpy()
+
+
+def imported(src: Path, tmp_path: Path) -> Generator:
+    out = tmp_path / "imported"
+    assert cli.main(["import-hf", str(src), "--output", str(out)]) == 0
+    cfg, params = jax_params(out)
+    return Generator(cfg.model, params)
+
+
+@pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "head-dim-16", "mixtral"])
+def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
+    src = tmp_path / "src"
+    if variant == "mixtral":
+        make_mixtral(src)
+    else:
+        make_hf(src, tied=variant == "tied", rope=LLAMA3 if variant == "llama3-rope" else None,
+                head_dim=16 if variant == "head-dim-16" else None)
+    gen = imported(src, tmp_path)
+    completions = gen.generate(PROMPTS, NEW, return_logits=True)
+    for prompt, c in zip(PROMPTS, completions):
+        tokens, logits = hf_greedy(src, prompt, NEW)
+        assert c.tokens == tokens and c.finish_reason == "length"
+        assert c.logits.shape == logits.shape
+        assert np.abs(logits).max() > 1.0  # a real spread: equality below is not of near-zeros
+        assert np.abs(c.logits - logits).max() <= 1e-4, np.abs(c.logits - logits).max()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple:
+    """(config, params) of one imported random Llama (GQA, untied), shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("llama")
+    make_hf(tmp / "src")
+    assert cli.main(["import-hf", str(tmp / "src"), "--output", str(tmp / "imported")]) == 0
+    return jax_params(tmp / "imported")
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(llama):
+    cfg, params = llama
+    gen = Generator(cfg.model, params)
+    nucleus = Sampling(temperature=1.0, top_p=0.9, seed=7)
+    first, again = gen.generate(PROMPTS, NEW, nucleus), gen.generate(PROMPTS, NEW, nucleus)
+    assert [c.tokens for c in first] == [c.tokens for c in again]
+    other = gen.generate(PROMPTS, NEW, Sampling(temperature=1.0, top_p=0.9, seed=8))
+    assert [c.tokens for c in other] != [c.tokens for c in first]  # the seed matters
+    greedy = gen.generate(PROMPTS, NEW)
+    assert [c.tokens for c in first] != [c.tokens for c in greedy]  # sampling is not greedy
+    top1 = gen.generate(PROMPTS, NEW, Sampling(temperature=0.8, top_k=1, seed=3))
+    assert [c.tokens for c in top1] == [c.tokens for c in greedy]
+    # A row's draws depend on its index and its positions, not on the rows beside it.
+    alone = gen.generate(PROMPTS[:1], NEW, nucleus)
+    assert alone[0].tokens == first[0].tokens
+
+
+def test_filtering_keeps_the_top_k_then_the_smallest_set_reaching_p():
+    logits = jnp.log(jnp.array([[0.5, 0.05, 0.3, 0.15]], jnp.float32))
+    kept = lambda k, p: np.isfinite(np.asarray(filter_logits(logits, jnp.int32(k), jnp.float32(p))))[0].tolist()
+    assert kept(0, 1.0) == [True, True, True, True]
+    assert kept(2, 1.0) == [True, False, True, False]
+    assert kept(0, 0.7) == [True, False, True, False]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    assert kept(0, 0.5) == [True, False, False, False]
+    assert kept(0, 0.01) == [True, False, False, False]  # the most likely token always stays
+    assert kept(3, 0.9) == [True, False, True, True]
+
+
+@pytest.mark.parametrize("sizes", [{"tensor": 2, "data": 2}, {"fsdp": 4}], ids=["tensor2-data2", "fsdp4"])
+def test_sharded_decoding_equals_one_device(llama, sizes):
+    from helpers import mesh_of
+
+    cfg, params = llama
+    one = Generator(cfg.model, params).generate(PROMPTS, NEW, return_logits=True)
+    mesh = mesh_of(**sizes)
+    gen = Generator(cfg.model, params, mesh=mesh, rules=cfg.mesh.rules)
+    leaf = gen.params["layers"]["attn"]["wq"] if "layers" in gen.params else jax.tree_util.tree_leaves(gen.params)[0]
+    assert len(leaf.sharding.device_set) == mesh.size  # really spread over the mesh
+    sharded = gen.generate(PROMPTS, NEW, return_logits=True)
+    for a, b in zip(one, sharded):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logits, b.logits, atol=2e-5, rtol=0)
+
+
+def test_no_compilation_after_warm_up_within_the_same_buckets(llama):
+    cfg, params = llama
+    gen = Generator(cfg.model, params)
+    gen.generate(PROMPTS, NEW, Sampling(temperature=0.9, top_k=5, seed=1))
+    compiles = []
+    # Tracing counts too: a persistent compilation cache would hide a backend compile, not a trace.
+    watched = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
+    listener = lambda event, duration, **_: compiles.append(event) if event in watched else None
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        # Other prompts of the same buckets, other settings, fewer new tokens, stop strings off: nothing compiles.
+        prompts = [[9] * 3, [4, 4], [1] * 17, [2] * 11]
+        out = gen.generate(prompts, NEW - 5, Sampling(temperature=0.5, top_p=0.8, seed=2))
+        assert [len(c.tokens) for c in out] == [NEW - 5] * 4
+        gen.generate(prompts, NEW, Sampling())
+    finally:
+        monitoring.clear_event_listeners()
+    assert compiles == [] and gen.compilations() == 2
+
+
+def test_rows_stop_at_end_of_text_and_at_stop_strings(llama):
+    cfg, params = llama
+    gen = Generator(cfg.model, params)
+    greedy = gen.generate(PROMPTS, NEW)
+    eos = greedy[0].tokens[5]  # row 0 emits this id as its 6th token: make it the end-of-text id
+    ended = gen.generate(PROMPTS, NEW, eos_id=eos)
+    assert ended[0].tokens == greedy[0].tokens[:6] and ended[0].finish_reason == "eos"
+    for g, e in zip(greedy[1:], ended[1:]):  # the other rows run on, or end at their own first `eos`
+        cut = g.tokens.index(eos) + 1 if eos in g.tokens else NEW
+        assert e.tokens == g.tokens[:cut]
+    words = lambda ids: " ".join(f"t{i}" for i in ids)  # a stand-in detokenizer: one word per id
+    stop = f"t{greedy[1].tokens[3]} t{greedy[1].tokens[4]}"
+    out = gen.generate(PROMPTS, NEW, stop=[stop], detokenize=words)
+    assert out[1].finish_reason == "stop" and out[1].text == words(greedy[1].tokens[:3]) + " "
+    assert out[1].tokens == greedy[1].tokens[:5] or out[1].tokens[:5] == greedy[1].tokens[:5]
+    assert out[0].text == words(greedy[0].tokens) or stop in words(greedy[0].tokens)
+
+
+def test_bad_requests_are_refused_in_one_line(llama):
+    cfg, params = llama
+    gen = Generator(cfg.model, params)
+    with pytest.raises(ConfigError, match="more than the model's max_seq_len 256"):
+        gen.generate([[1] * 257], 4)
+    with pytest.raises(ConfigError, match="prompt 1 is empty"):
+        gen.generate([[1], []], 4)
+    with pytest.raises(ConfigError, match="token id 96 outside the model's vocabulary"):
+        gen.generate([[1, 96]], 4)
+    with pytest.raises(ConfigError, match="--max-new-tokens must be at least 1"):
+        gen.generate([[1]], 0)
+    with pytest.raises(ConfigError, match="--top-p must be in"):
+        Sampling(temperature=1.0, top_p=0.0)
+
+
+def test_layouts_decoding_cannot_serve_are_refused_by_name(llama):
+    from helpers import mesh_of
+
+    cfg, params = llama
+    for axis in ("stage", "context", "expert"):
+        with pytest.raises(ConfigError, match=f"decoding cannot use mesh.{axis}=2"):
+            Generator(cfg.model, params, mesh=mesh_of(**{axis: 2}), rules=cfg.mesh.rules)
+
+
+def test_buckets():
+    assert [bucket(n, 16, 256) for n in (1, 16, 17, 200, 256)] == [16, 16, 32, 256, 256]
+    assert bucket(300, 16, 256) == 256  # capped: callers refuse prompts past the cap first
