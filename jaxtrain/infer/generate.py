@@ -98,6 +98,7 @@ class Generator:
                             else jnp.zeros((moe_layers, self.cfg.num_experts), jnp.float32))
         self._prefill = jax.jit(self._prefill_fn, static_argnums=(6,))
         self._decode = jax.jit(self._decode_fn, static_argnums=(5,))
+        self._scorer = None  # jaxtrain.infer.scoring's program, made on first use
 
     # ------------------------------------------------------------------------- on the device
 
@@ -161,8 +162,20 @@ class Generator:
     # ------------------------------------------------------------------------- on the host
 
     def compilations(self) -> int:
-        """How many programs the prefill and the decode loop have compiled so far."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        """How many programs the prefill, the decode loop and scoring have compiled so far."""
+        return sum(f._cache_size() for f in (self._prefill, self._decode, self._scorer) if f is not None)
+
+    def scorer(self) -> Callable:
+        """The jitted scoring program over this model (jaxtrain.infer.scoring.make_scorer), made once."""
+        if self._scorer is None:
+            from jaxtrain.infer.scoring import make_scorer
+            self._scorer = make_scorer(self)
+        return self._scorer
+
+    def score(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), greedy) per (context ids, continuation ids): jaxtrain.infer.scoring.score."""
+        from jaxtrain.infer.scoring import score
+        return score(self, requests, batch_size)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(), *,
                  eos_id: Optional[int] = None, stop: Sequence[str] = (), detokenize: Optional[Callable] = None,

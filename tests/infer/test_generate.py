@@ -187,3 +187,27 @@ def test_layouts_decoding_cannot_serve_are_refused_by_name(llama):
 def test_buckets():
     assert [bucket(n, 16, 256) for n in (1, 16, 17, 200, 256)] == [16, 16, 32, 256, 256]
     assert bucket(300, 16, 256) == 256  # capped: callers refuse prompts past the cap first
+
+
+def test_scores_equal_a_float64_numpy_log_softmax_of_transformers_logits(tmp_path):
+    """log p(continuation | context) and greedy-ness, per request, against transformers' logits in float64."""
+    src = make_hf(tmp_path / "src")
+    gen = imported(src, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    requests = [([5, 17, 3], [60, 2]), ([8], [1, 2, 3, 4, 5]), ([9] * 20, [4])]
+    greedy_tail = gen.generate([[7, 7, 1]], 3)[0].tokens
+    requests.append(([7, 7, 1], greedy_tail))  # greedy by construction
+    got = gen.score(requests, batch_size=3)  # two batches: the last one padded
+    for (context, continuation), (logp, greedy) in zip(requests, got):
+        whole = context + continuation
+        with torch.no_grad():
+            logits = model(torch.tensor([whole])).logits[0].double().numpy()
+        logits -= logits.max(-1, keepdims=True)
+        logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        steps = range(len(context) - 1, len(whole) - 1)
+        expected = sum(logsm[i, whole[i + 1]] for i in steps)
+        assert abs(logp - expected) <= 1e-4 * max(1.0, abs(expected)), (logp, expected)
+        assert greedy == all(int(np.argmax(logsm[i])) == whole[i + 1] for i in steps)
+    assert got[-1][1] is True
+    with pytest.raises(ConfigError, match="request 0: continuation is empty"):
+        gen.score([([1], [])])
