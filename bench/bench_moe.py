@@ -122,7 +122,7 @@ def outside(args, short: int, long: int) -> dict:
     out = tempfile.mkdtemp(prefix="bench_moe-outside-")
 
     def run(name: str, steps: int, tag: str) -> float:
-        cmd = [sys.executable, "-c", "import sys; from jaxtrain.cli import main; sys.exit(main())",
+        cmd = [sys.executable, "-c", "import sys; from jaxtrain.commands.cli import main; sys.exit(main())",
                "train", "--config", CONFIG, "--cpu-devices", str(args.cpu_devices),
                f"run.output_dir={out}/{name}-{tag}", f"train.steps={steps}", *COMMON,
                f"checkpoint.compilation_cache_dir={out}/cache-{name}", *variant_overrides(name, args.overrides)]

@@ -74,7 +74,7 @@ def run(variant: str, steps: int, out: Path, cache: Path, scrape_every: float) -
     extra = [] if variant == "off" else [f"observe.prometheus_port={port}", "observe.prometheus_addr=127.0.0.1"]
     if variant == "health":
         extra.append("fault.health_every_steps=10")
-    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(CONFIG), "--cpu-devices", "1",
+    cmd = [sys.executable, "-m", "jaxtrain", "train", "--config", str(CONFIG), "--cpu-devices", "1",
            f"run.output_dir={out}", f"train.steps={steps}", "train.log_every=1",
            f"checkpoint.compilation_cache_dir={cache}", *extra]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
@@ -104,7 +104,7 @@ WINDOW = 8  # steps per scraped / unscraped window (--interleaved)
 def interleaved_round(steps: int, out: Path, cache: Path, scrape_every: float, scraped_parity: int) -> dict:
     """One process, the endpoint on, scraped only in windows whose index has `scraped_parity`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", str(CONFIG), "--cpu-devices", "1",
+    cmd = [sys.executable, "-m", "jaxtrain", "train", "--config", str(CONFIG), "--cpu-devices", "1",
            f"run.output_dir={out}", f"train.steps={steps}", "train.log_every=1",
            f"checkpoint.compilation_cache_dir={cache}", f"observe.prometheus_port={port}",
            "observe.prometheus_addr=127.0.0.1"]

@@ -48,7 +48,7 @@ def launch(out: Path, cache: Path, *overrides: str, restarts: int = 0) -> tuple[
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
     env["JAX_PLATFORMS"] = "cpu"
     t = time.time()
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "1",
                         "--max-restarts", str(restarts), "--grace-period-s", "5", "--", "train", "--config", TINY,
                         *SMALL, f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={cache}", *overrides],
                        env=env, capture_output=True, text=True, timeout=900)

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def train(out: Path, cache: Path, config: str, *, restart: bool) -> dict | None:
     env = {**os.environ, "JAXTRAIN_RESTART_ATTEMPT": "1" if restart else "0"}
-    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", config, f"run.output_dir={out}",
+    cmd = [sys.executable, "-m", "jaxtrain", "train", "--config", config, f"run.output_dir={out}",
            f"checkpoint.compilation_cache_dir={cache}", "train.steps=8", "train.log_every=1",
            "checkpoint.every_steps=5", "chaos.kill_at_step=6", "--cpu-devices", "1"]
     subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=REPO)

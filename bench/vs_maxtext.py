@@ -10,7 +10,7 @@ buffer), `megablox=False`, the same capacity factor and load-balancing loss weig
 
 Both sides run their real training entry point as a subprocess, on one CPU device, on the same
 model (configs/bench/cpu-tiny.yaml; MaxText's overrides below):
-  A. jaxtrain: `python -m jaxtrain.cli train --config configs/bench/cpu-tiny.yaml --cpu-devices 1 ...`
+  A. jaxtrain: `python -m jaxtrain train --config configs/bench/cpu-tiny.yaml --cpu-devices 1 ...`
      (logs every step; its own timer is metrics.jsonl's step_time_s);
   B. MaxText 0.2.5: `python -m maxtext.trainers.pre_train.train <base.yml> <overrides>` (its own
      timer is the "completed step: k, seconds: s" line).
@@ -167,7 +167,7 @@ def per_step_cpu(marks: list[float], skip: int) -> float | None:
 
 def run_jaxtrain(python: str, steps: int, skip: int, flags: list[str], log: Path, model: str = "cpu-tiny") -> dict:
     with tempfile.TemporaryDirectory(prefix="vs_maxtext_") as out:
-        cmd = [python, "-m", "jaxtrain.cli", "train", "--config", str(MODELS[model]["config"]), "--cpu-devices", "1",
+        cmd = [python, "-m", "jaxtrain", "train", "--config", str(MODELS[model]["config"]), "--cpu-devices", "1",
                f"train.steps={steps}", "train.log_every=1", f"run.output_dir={out}",
                "checkpoint.compilation_cache_dir=null", "checkpoint.save_at_end=false", *MODELS[model]["overrides"]]
         load = loadavg()

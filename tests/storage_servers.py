@@ -40,7 +40,7 @@ _download = objects.download
 
 def download(request, response, storage, *args, **kwargs):
     try:
-        obj = object_store.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
         response["x-goog-generation"] = obj["generation"]
         response["x-goog-metageneration"] = obj["metageneration"]
     except Exception:

@@ -44,7 +44,7 @@ def docstrings(files: list[Path]) -> list[str]:
 def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The `jaxtrain` command as a user runs it (its own XLA flags, one process, the CPU)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=900)
 
 

@@ -1,4 +1,5 @@
-"""`jaxtrain prepare-data`: tokenize .txt/.jsonl files into token files for `data.source=tokens`.
+"""What `jaxtrain prepare-data` does (`commands/prepare_data.py` parses and prints): tokenize
+.txt/.jsonl files into token files for `data.source=tokens`.
 
 Output (DIR): `tokens-00000.bin`, `tokens-00001.bin`, ... (flat little-endian uint16/uint32
 ids, documents each followed by the eod id, a new file every --shard-tokens tokens at a document
@@ -20,7 +21,6 @@ from typing import IO, Optional
 
 import numpy as np
 
-from jaxtrain.arguments import Parser
 from jaxtrain.config import ConfigError
 from jaxtrain.data.sources import META_NAME, TEXT_SUFFIXES, resolve_paths, tokenize_files, write_meta
 from jaxtrain.data.tokenizer import load_tokenizer
@@ -53,25 +53,6 @@ class Progress:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def _parser() -> Parser:
-    p = Parser(prog="jaxtrain prepare-data",
-                                description="Tokenize .txt/.jsonl files into token files for data.source=tokens.")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="files, directories (their .txt and .jsonl files) or globs; a .jsonl line is a "
-                        "document, any other file is one document")
-    p.add_argument("--output", required=True, metavar="DIR", help="directory for tokens-*.bin and meta.json")
-    p.add_argument("--tokenizer", default="bytes", help="'bytes' (default) or a Hugging Face tokenizers JSON file")
-    p.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
-                   help="token file element type (default: uint16 when the vocabulary fits, else uint32)")
-    p.add_argument("--eod-id", type=int, default=None,
-                   help="end-of-document id (default: the tokenizer's end-of-text token; 256 for bytes)")
-    p.add_argument("--text-field", default="text", help="field of each .jsonl line holding the text (default: text)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                   help=f"start a new file after this many tokens (default: {DEFAULT_SHARD_TOKENS})")
-    p.add_argument("--overwrite", action="store_true", help="replace token files already in --output")
-    return p
 
 
 def _input_files(specs: list[str]) -> tuple[list[Path], int]:
@@ -195,20 +176,3 @@ def _write_shards(files: list[Path], tok, dtype: np.dtype, text_field: str, shar
         (tmp / n).unlink()
         del shard_sizes[n]
     return {"num_tokens": total, "num_documents": docs, "max_id": max_id, "files": shard_sizes}
-
-
-def main(argv: list[str]) -> int:
-    """Entry point of `jaxtrain prepare-data` (argv without the subcommand).
-
-    Returns:
-      0 on success. Raises ConfigError for user errors and malformed flags (the CLI prints one
-      line and exits 2).
-    """
-    args = _parser().parse_args(argv)  # malformed flags: ConfigError, exit 2
-    s = prepare(args.input, args.output, tokenizer=args.tokenizer, dtype=args.dtype, eod_id=args.eod_id,
-                text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite)
-    skipped = f"; skipped {s['skipped_empty']} empty file(s)" if s["skipped_empty"] else ""
-    print(f"prepare-data: wrote {s['num_tokens']:,} tokens ({s['num_documents']:,} documents from "
-          f"{s['inputs']} input file(s)) to {args.output} in {len(s['files'])} {s['dtype']} file(s); "
-          f"eod id {s['eod_id']}, vocab size {s['vocab_size']}, largest id {s['max_id']}{skipped}")
-    return 0

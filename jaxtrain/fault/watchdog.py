@@ -343,10 +343,11 @@ class Watchdog:
         if verdict is not None:
             where += f"; blamed: {verdict.behind[:LISTED_MAX] or 'nobody'} ({verdict.reason})"
         limit = "none" if deadline is None else f"{deadline:g} s"
-        _bounded(STDERR_TIMEOUT_S, lambda: print(
-            f"jaxtrain: process {self.process_index} on {self.host} made no progress for {stalled:.0f} s "
-            f"(phase {phase}, deadline {limit}, last step {step}); {where}; exiting 75 "
-            "so the job is restarted", file=sys.stderr, flush=True))
+        # Straight to file descriptor 2: no Python lock (sys.stderr's, logging's) that a wedged thread may hold.
+        report = (f"jaxtrain: process {self.process_index} on {self.host} made no progress for {stalled:.0f} s "
+                  f"(phase {phase}, deadline {limit}, last step {step}); {where}; exiting 75 "
+                  "so the job is restarted\n").encode("utf-8", errors="replace")
+        _bounded(STDERR_TIMEOUT_S, lambda: os.write(2, report))
 
     def dump_stacks(self) -> str:
         """Every thread's Python stack into the run directory's hangs/a<attempt>/ folder (a remote run

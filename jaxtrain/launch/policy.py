@@ -33,7 +33,7 @@ preemptions, which save an emergency checkpoint) never spend them.
 
 A slot is where a process runs: a `jaxtrain launch` slot number (kept when another slot is
 isolated), or a node name under SLURM. Used by the Supervisor (`supervisor.py`) and by
-`jaxtrain recovery decide` (`recovery_cli.py`), which train.sbatch calls, so no shell script
+`jaxtrain recovery decide` (`commands/recovery.py`), which train.sbatch calls, so no shell script
 re-implements any of this.
 """
 

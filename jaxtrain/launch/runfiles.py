@@ -11,12 +11,15 @@ mid-write may leave a torn last line: it is skipped, never an error.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
 from jaxtrain.storage.paths import is_remote
 from jaxtrain.observe.runlog import read_log
+
+_log = logging.getLogger(__name__)
 
 
 def _local(output_dir: str | Path | None) -> Path | None:
@@ -90,6 +93,6 @@ def _read(output_dir: str | Path | None) -> list[dict] | None:
         return read_log(output_dir, "events.jsonl")
     except Exception as e:  # the launcher must go on: no events is "nobody blamed"
         # The error's type only: a client's message may spell the endpoint with its user info.
-        print(f"jaxtrain: warning: could not read the events of the run directory ({type(e).__name__}); "
-              "blaming nobody for this attempt", file=sys.stderr)
+        _log.warning(f"could not read the events of the run directory ({type(e).__name__}); "
+                     "blaming nobody for this attempt")
         return None

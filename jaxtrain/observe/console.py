@@ -8,12 +8,18 @@ every other kind gets the generic `[kind] step N key=value ...` with long values
 
 `Console` is stateful only in what the lines need across events: the steps to run and when the
 run started (for `step N/TOTAL` and the ETA), and the last checkpoint saved (for the preemption
-line).
+line). `write_line` puts a line on the console stream (rewritten in place on a terminal).
+
+The library never prints: its warnings and drill notices go through `logging` (loggers under
+`jaxtrain`), and `install_stderr_logging` (called by the `jaxtrain` command and the Trainer) is the
+one place that shows them, as `jaxtrain: warning: ...` (warnings) and `jaxtrain: ...` lines on stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from typing import Any, Callable
 
@@ -196,3 +202,44 @@ def _count(n: int) -> str:
 def _short(v: Any) -> str:
     text = f"{v:.4g}" if isinstance(v, float) else str(v)
     return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 1] + "..."
+
+
+# ---------------------------------------------------------------------- where the lines go
+
+
+def write_line(stream: Any, line: str, *, tty: bool, keep: bool) -> None:
+    """Put `line` on the console `stream`: on a terminal (`tty`) it overwrites the line in place and
+    ends it only when `keep`; anywhere else it is one plain line."""
+    if tty:
+        stream.write("\r\033[K" + line + ("\n" if keep else ""))
+    else:
+        stream.write(line + "\n")
+    stream.flush()
+
+
+class _StderrLines(logging.Handler):
+    """The library's log records as `jaxtrain: warning: MESSAGE` (warnings) or `jaxtrain: MESSAGE`
+    (notices, errors) lines on sys.stderr as it is when the line is written (a test's capture, a
+    notebook's cell), flushed at once (a drill may end the process right after its notice)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            prefix = "jaxtrain: warning: " if record.levelno == logging.WARNING else "jaxtrain: "
+            sys.stderr.write(f"{prefix}{record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 -- logging's own rule: a broken stream never raises into the caller
+            self.handleError(record)
+
+
+def install_stderr_logging() -> None:
+    """Show the library's warnings and notices (the `jaxtrain` loggers, INFO and up) on stderr, each
+    as one `jaxtrain: ...` line. Idempotent; they no longer reach the root logger's handlers (no line
+    twice where the application configured logging too)."""
+    logger = logging.getLogger("jaxtrain")
+    if any(getattr(h, "jaxtrain_stderr", False) for h in logger.handlers):
+        return
+    handler = _StderrLines()
+    handler.jaxtrain_stderr = True  # type: ignore[attr-defined]  -- found again after a reload of this module
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

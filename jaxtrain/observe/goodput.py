@@ -32,21 +32,16 @@ last computation in the file is the kept one, earlier ones were re-done.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
-import json
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.arguments import Parser, parse
 from jaxtrain.storage import object_store
 from jaxtrain.storage.paths import is_remote
 from jaxtrain.config import ConfigError
-from jaxtrain.runtime.exit_codes import EXIT_OK
 from jaxtrain.observe.runlog import read_log
 
 PARTS = ("productive_s", "startup_s", "checkpoint_s", "restart_downtime_s", "hang_s", "redone_steps_s",
@@ -354,23 +349,3 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{h['phase']} after step {h['step']}")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="jaxtrain goodput", description="Where a run's wall time went: productive training against "
-               "start-up, checkpoints, restarts, hangs, re-done steps, data wait, evaluation and skipped steps.")
-    p.add_argument("run_dir", help="the run directory (run.output_dir; local, gs:// or s3://)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/goodput.md)")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    """`jaxtrain goodput RUN_DIR [--json]`.
-
-    Raises:
-      ConfigError: not a run directory (the CLI prints it and exits 2).
-    """
-    args = parse(build_parser(), argv)
-    report = goodput(args.run_dir)
-    print(json.dumps(report) if args.json else format_report(report), file=sys.stdout)
-    return EXIT_OK

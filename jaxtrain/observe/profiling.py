@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import re
-import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -55,6 +55,8 @@ from typing import Any, Callable, Iterable
 
 from jaxtrain.storage.paths import is_remote  # imports nothing heavy
 from jaxtrain.observe.hlo import COLLECTIVE_KINDS, collective, collective_kind, read_module
+
+_log = logging.getLogger(__name__)
 
 COMPUTE_KINDS = ("matmul", "attention", "elementwise")
 WAIT_KINDS = ("host_wait", "idle")
@@ -150,8 +152,7 @@ class StepProfiler:
         try:
             summary = summarize(self.directory, top=0)
         except Exception as e:  # noqa: BLE001 -- a trace we cannot read must not end the run
-            print(f"jaxtrain: warning: train.profile_steps: no summary of the trace: {type(e).__name__}: {e}",
-                  file=sys.stderr, flush=True)
+            _log.warning(f"train.profile_steps: no summary of the trace: {type(e).__name__}: {e}")
             return
         self.on_summary(summary)
 
@@ -534,22 +535,3 @@ def format_summary(s: dict) -> str:
     if not s.get("hlo"):
         lines.append("(no train_step.hlo.txt beside the trace: ops classified by name, no collective bytes)")
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """`jaxtrain profile-summary RUN_DIR [--json]`."""
-    from jaxtrain.arguments import Parser  # bad usage: ConfigError, one line, exit 2
-    from jaxtrain.config import ConfigError
-    p = Parser(prog="jaxtrain profile-summary",
-                                description="Split the profiled steps of a run (train.profile_steps) into compute, "
-                                            "collectives, host wait and idle.")
-    p.add_argument("run_dir", help="the run directory (run.output_dir) or its profile/ directory")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--top", type=int, default=15, help="how many of the most expensive ops to list")
-    args = p.parse_args(argv)
-    try:
-        summary = summarize(args.run_dir, top=args.top)
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    print(json.dumps(summary) if args.json else format_summary(summary))
-    return 0

@@ -23,8 +23,8 @@ tpu_gpu_setup/monitoring/.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -34,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxtrain.observe.profiling import COLLECTIVE_KINDS, COMPUTE_KINDS, WAIT_KINDS
+
+_log = logging.getLogger(__name__)
 
 LABELS = ("run", "process", "host")
 TEXTFILE_EVERY_S = 10.0  # node_exporter reads the file at its own scrape; a few seconds stale is fine
@@ -151,7 +153,7 @@ class Exporter:
         self.devices = list(devices)
         self.checkpoint_every = checkpoint_every  # (checkpoint.every_steps, checkpoint.every_minutes)
         self.health = health  # an observe.health.Health (fault.health_every_steps), or None
-        self._warn = warn or (lambda m: print(f"jaxtrain: warning: {m}", file=sys.stderr, flush=True))
+        self._warn = warn or _log.warning  # `jaxtrain: warning: ...` on stderr (observe/console.py)
         self.started_at = time.time()
         # Written by the loop thread, read by the scrape thread: plain assignments of Python numbers.
         self.step = 0

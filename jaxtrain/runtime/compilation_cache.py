@@ -14,8 +14,8 @@ every attempt before it is ever cached.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Optional
@@ -26,6 +26,8 @@ import jax.monitoring
 from jaxtrain.storage.paths import is_local, to_path
 from jaxtrain.storage.small_files import write_atomic
 from jaxtrain.storage.paths import join
+
+_log = logging.getLogger(__name__)
 
 AUTO = "auto"  # <run.output_dir>/compilation_cache
 SUBDIR = "compilation_cache"
@@ -109,7 +111,7 @@ def enable_compilation_cache(directory: Optional[str], run_dir: Optional[str] = 
             _record_dir = None
         return None
     if warning and jax.process_index() == 0:
-        print(f"jaxtrain: warning: {warning}", file=sys.stderr, flush=True)
+        _log.warning(warning)
     # `{process}`: one folder per process, as per-host disks behave (bench/bench_recovery.py measures it).
     directory = directory.replace("{process}", str(jax.process_index()))
     jax.config.update("jax_enable_compilation_cache", True)

@@ -4,8 +4,8 @@ They are the contract between whoever starts a process (`jaxtrain launch`, `trai
 Kubernetes JobSet, the TPU launch script) and the process itself. The cluster recipes spell the
 same names in shell/YAML; `tests/launch/test_env_contract.py` checks that every name they set is
 one of these and that the ones a process needs are set. Only entry points read the environment
-(`cli`, `launch/`, and `trainer` at start-up, which hands the values down as arguments;
-`host_malloc`, which `cli` calls before JAX starts).
+(`commands/`, `launch/`, and `trainer` at start-up, which hands the values down as arguments;
+`host_malloc`, which `commands/startup.py` calls before JAX starts).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import pytest
 from helpers import TINY, free_port
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 from jaxtrain.storage import object_store
 from jaxtrain.storage.object_store import TransientStorageError
 from jaxtrain.config import ConfigError
@@ -289,7 +289,7 @@ def test_gcs_503_is_retried_then_transient_without_traceback(monkeypatch, endpoi
 @pytest.mark.parametrize("status, shown", [(403, "Forbidden"), (404, "bucket 'bucket' does not exist"),
                                            (400, "Bad Request")])
 def test_gcs_definite_answers_are_config_errors_at_once(monkeypatch, endpoint, capfd, status, shown):
-    server = endpoint(status, gcs_error(status, "invalid: caller does not have object_store.objects.list access"))
+    server = endpoint(status, gcs_error(status, "invalid: caller does not have storage.objects.list access"))
     use_gcs(monkeypatch, server.url)
     with pytest.raises(ConfigError) as e:
         object_store.check_access("gs://bucket/run")

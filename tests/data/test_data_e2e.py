@@ -23,7 +23,7 @@ TINY = ["--cpu-devices", "1", "train.steps=30", "train.log_every=5", "train.eval
 
 def jaxtrain(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

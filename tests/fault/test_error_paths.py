@@ -1,7 +1,7 @@
 """The ways a run ends besides finishing: a Python error in the loop, a stop asked for during
 start-up, the deadline of joining the job.
 
-The multi-process tests start real local processes (`python -m jaxtrain.cli train` with the
+The multi-process tests start real local processes (`python -m jaxtrain train` with the
 JAXTRAIN_* coordinates, gloo over jax.distributed), so that each one's stderr and exit time can be
 read on its own. Run as a script (`python tests/fault/test_error_paths.py notice PID PORT ARGS...`)
 this file is one process of `test_a_sigterm_before_the_trainer_exists_is_read_from_jax_s_notice`.
@@ -88,7 +88,7 @@ def child_env(pid: int, port: int) -> dict[str, str]:
 def start_job(out: Path, *overrides: str) -> list[Process]:
     port = free_port()
     args = ["train", "--cpu-devices", "1", "--config", TINY, *SMALL, f"run.output_dir={out}", *overrides]
-    return [Process([sys.executable, "-m", "jaxtrain.cli", *args], child_env(pid, port)) for pid in (0, 1)]
+    return [Process([sys.executable, "-m", "jaxtrain", *args], child_env(pid, port)) for pid in (0, 1)]
 
 
 # ----------------------------------------------------------------------------- a Python error in the loop
@@ -159,7 +159,7 @@ def test_sigterm_during_start_up_stops_the_job_with_75_before_the_first_step(tmp
 def _notice_worker(pid: int, port: int, args: list[str]) -> None:
     """One process of the job below: process 0 gets SIGTERM right after joining the job, before the
     Trainer exists (JAX's own handler has it then), then runs `jaxtrain train` as usual."""
-    from jaxtrain import cli
+    from jaxtrain.commands import cli
     from jaxtrain.runtime import distributed
 
     real = distributed.initialize
@@ -238,7 +238,7 @@ def test_joining_the_job_waits_fault_startup_timeout_s(monkeypatch):
     (formerly a fixed 300 s outside the start-up deadline)."""
     import jax
 
-    from jaxtrain import cli
+    from jaxtrain.commands import cli
     from jaxtrain.runtime import distributed
 
     class Joined(Exception):

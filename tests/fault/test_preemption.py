@@ -158,7 +158,7 @@ def test_fresh_start_with_a_late_process_takes_the_same_collective_path(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)})
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "1",
                         "--max-restarts", "0", "--", "train", "--config", TINY, *SMALL, f"run.output_dir={out}",
                         "checkpoint.compilation_cache_dir=null", "train.steps=4", "checkpoint.every_steps=2",
                         "chaos.start_delay_s=4", "chaos.slow_process=1", "checkpoint.barrier_timeout_s=30"],

@@ -40,7 +40,7 @@ def preflight_job(hosts: list[str], *overrides: str, timeout: int = 240, devices
         e = {**base, jaxtrain_env.COORDINATOR: f"127.0.0.1:{port}", jaxtrain_env.NUM_PROCESSES: str(count),
              jaxtrain_env.PROCESS_ID: str(p), jaxtrain_env.HOST: host}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "jaxtrain.cli", "preflight", "--config", TINY, "--cpu-devices", str(devices),
+            [sys.executable, "-m", "jaxtrain", "preflight", "--config", TINY, "--cpu-devices", str(devices),
              "--json", f"data.global_batch_size={2 * count * devices}", "fault.startup_timeout_s=120",
              f"fault.preflight_factor={FACTOR}", *overrides],
             env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

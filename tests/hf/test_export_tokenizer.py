@@ -22,7 +22,7 @@ from helpers import TINY
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 
 EOT = "<|endoftext|>"
 VOCAB = 512  # the tokenizer's; the model's is a little larger (room for an appended eod id)

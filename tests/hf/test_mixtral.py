@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.hf.mapping import hf_config_from_model, model_section_from_hf
 from test_hf import jax_logits

@@ -5,7 +5,7 @@ Two layers:
   supervision rule: exit 0, user error, crash -> restart, restarts spent, SIGTERM -> SIGKILL, signal
   forwarding, ports and environment, who is blamed, node isolation (streaks, refusal); the shrink
   planning (`plan_shrink`) on configs alone;
-- end to end (`python -m jaxtrain.cli launch ...`): 2 processes x 2 simulated CPU devices train the
+- end to end (`python -m jaxtrain launch ...`): 2 processes x 2 simulated CPU devices train the
   tiny config as one job; a user error exits 2 without a restart; a killed process restarts the job,
   which ends bitwise equal to an uninterrupted run; a slot that crashes on every attempt is isolated
   and the run finishes on one process with the same global batch, its losses matching the reference.
@@ -31,7 +31,8 @@ from jaxtrain.config import ConfigError, load_config
 from jaxtrain.runtime.env import RESTART_ATTEMPT as RESTART_ATTEMPT_ENV, SLOT as SLOT_ENV
 from jaxtrain.launch.elastic import Shrink, ShrinkRefused, plan_shrink
 from jaxtrain.launch.runfiles import last_known_step
-from jaxtrain.launch.supervisor import Supervisor, main
+from jaxtrain.commands.launch import main
+from jaxtrain.launch.supervisor import Supervisor
 
 TINY_OVERRIDES = ["train.steps=4", "train.log_every=1", "data.global_batch_size=8"]
 
@@ -149,7 +150,7 @@ def test_the_same_python_error_twice_without_progress_stops_the_job_with_78(tmp_
     a deterministic failure. The launcher restarts once (one error is not yet a pattern), then stops
     with 78 instead of spending the other restarts."""
     code, _, err = supervise(fake(f"""
-        from jaxtrain.cli import _record_error
+        from jaxtrain.commands.train import _record_error
         if PID == 1:
             try:
                 raise RuntimeError("a bug")
@@ -169,7 +170,7 @@ def test_a_different_error_or_progress_in_between_restarts(tmp_path):
     """Errors that change (the step here), and the same error after an attempt that saved a checkpoint:
     restarts, until the restarts are spent."""
     code, _, err = supervise(fake(f"""
-        from jaxtrain.cli import _record_error
+        from jaxtrain.commands.train import _record_error
         from jaxtrain.observe.runlog import append_event
         if PID == 1:
             if ATTEMPT == 2:
@@ -185,7 +186,7 @@ def test_a_different_error_or_progress_in_between_restarts(tmp_path):
 
 
 def test_the_error_event_names_the_innermost_jaxtrain_frame(tmp_path):
-    from jaxtrain.cli import _record_error, error_details
+    from jaxtrain.commands.train import _record_error, error_details
     from jaxtrain.launch.policy import exit_status
     try:
         exit_status(None)  # a TypeError inside jaxtrain/launch/policy.py
@@ -501,13 +502,14 @@ def test_bad_launch_arguments_are_user_errors(argv, message):
 
 
 def test_bad_launch_option_exits_2_via_the_cli():
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "two", "--", "train"],
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "two", "--", "train"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--num-processes" in r.stderr
 
 
 def test_the_launcher_never_imports_jax():
-    code = "import sys, jaxtrain.cli, jaxtrain.launch.supervisor; assert 'jax' not in sys.modules, 'jax imported'"
+    code = ("import sys, jaxtrain.commands.cli, jaxtrain.commands.launch, jaxtrain.launch.supervisor; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -532,7 +534,7 @@ def child_env(tmp_path_factory) -> dict[str, str]:
 
 def launch(env: dict[str, str], cwd: Path, *args: str, overrides: list[str]) -> subprocess.CompletedProcess:
     cache = ["checkpoint.compilation_cache_dir=" + env["JAX_COMPILATION_CACHE_DIR"]]
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", *args, "--", "train", "--config", TINY,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "launch", *args, "--", "train", "--config", TINY,
                            *TINY_OVERRIDES, *cache, *overrides],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -609,7 +611,7 @@ def test_killed_process_restarts_the_job_and_ends_bitwise_equal(tmp_path, child_
 
     # Goodput of this run: one restart, steps logged before the kill and again after the restore are
     # re-done (step 3, if process 0 logged it before it was stopped), the parts add up to the wall time.
-    g = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "goodput", str(out), "--json"], env=child_env,
+    g = subprocess.run([sys.executable, "-m", "jaxtrain", "goodput", str(out), "--json"], env=child_env,
                        capture_output=True, text=True, timeout=60)
     assert g.returncode == 0, g.stderr
     report = json.loads(g.stdout)
@@ -697,7 +699,7 @@ def test_hybrid_dcn_mesh_matches_one_process(tmp_path, child_env):
                overrides=[f"run.output_dir={hybrid}", "mesh.dcn_data=2"])
     assert r.returncode == 0, r.stderr[-3000:]
     cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, *TINY_OVERRIDES, cache,
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY, *TINY_OVERRIDES, cache,
                         f"run.output_dir={single}", "--cpu-devices", "4"], cwd=tmp_path, env=child_env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -716,7 +718,7 @@ def test_sigterm_to_a_two_process_job_saves_once_and_exits_75(tmp_path, child_en
     out = tmp_path / "run"
     cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "2", "--",
+        [sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "2", "--",
          "train", "--config", TINY, *TINY_OVERRIDES, cache, f"run.output_dir={out}", "train.steps=100000"],
         cwd=tmp_path, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
@@ -760,7 +762,7 @@ def test_sigterm_to_one_process_stops_the_job_together_and_it_resumes(tmp_path, 
     out = tmp_path / "run"
     cache = "checkpoint.compilation_cache_dir=" + child_env["JAX_COMPILATION_CACHE_DIR"]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+        [sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "1",
          "--max-restarts", "1", "--", "train", "--config", TINY, *TINY_OVERRIDES, cache,
          f"run.output_dir={out}", "train.steps=40", "train.host_sync_every=2", "chaos.slow_seconds=0.2",
          "chaos.slow_process=0"],

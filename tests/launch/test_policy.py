@@ -3,8 +3,8 @@
 The policy tables start no process and read no file: every case that the subprocess tests of
 `tests/launch/test_launch.py` (the Supervisor with stand-in children) and `tests/launch/test_slurm.py`
 (train.sbatch with a stand-in srun) cover is a row here, plus edges they do not reach. Then
-`jaxtrain recovery` (the verbs train.sbatch calls), in-process through `jaxtrain.cli.main` with real
-files in tmp_path, and one subprocess that checks that none of this imports JAX.
+`jaxtrain recovery` (the verbs train.sbatch calls), in-process through `jaxtrain.commands.cli.main` with
+real files in tmp_path, and one subprocess that checks that none of this imports JAX.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import pytest
 from helpers import TINY
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 from jaxtrain.launch.policy import (SAME_ERROR_TWICE, Attempt, Done, Exit, Failure, GiveUp, History, Isolate, Limits,
                                     Restart, Stop, attempt_steps, blame, blamed_process, decide, error_signature,
                                     exit_after_signal, exit_status, first_failure, made_progress, slurm_restart)
@@ -588,10 +588,10 @@ def test_decide_names_a_missing_exits_file(capsys, job):
 
 
 def test_the_policy_and_the_recovery_verbs_never_import_jax(tmp_path):
-    code = ("import sys, jaxtrain.cli, jaxtrain.launch.policy, jaxtrain.launch.recovery_cli, jaxtrain.launch.elastic, "
-            "jaxtrain.launch.runfiles, jaxtrain.launch.train_command, jaxtrain.launch.supervisor, "
-            "jaxtrain.parallel.mesh_shape\n"
-            f"assert jaxtrain.cli.main(['recovery', 'shrink', '--num-processes', '2', *{TRAIN!r}]) == 0\n"
+    code = ("import sys, jaxtrain.commands.cli, jaxtrain.commands.recovery, jaxtrain.commands.train_command, "
+            "jaxtrain.launch.policy, jaxtrain.launch.recovery_state, jaxtrain.launch.elastic, "
+            "jaxtrain.launch.runfiles, jaxtrain.launch.supervisor, jaxtrain.parallel.mesh_shape\n"
+            f"assert jaxtrain.commands.cli.main(['recovery', 'shrink', '--num-processes', '2', *{TRAIN!r}]) == 0\n"
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path)
 

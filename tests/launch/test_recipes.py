@@ -239,7 +239,7 @@ def test_the_tpu_launch_script_starts_jaxtrain_train_on_every_worker_with_the_jo
     w = subprocess.run(["bash", "-c", remote + "\nwait"], env=worker_env, capture_output=True, text=True, timeout=60)
     assert w.returncode == 0 and "worker 2 started" in w.stdout, w.stdout + w.stderr
     seen = json.loads(record.read_text())
-    assert seen["argv"] == ["-m", "jaxtrain.cli", "train", "--config", "configs/llama3-8b.yaml", *overrides]
+    assert seen["argv"] == ["-m", "jaxtrain", "train", "--config", "configs/llama3-8b.yaml", *overrides]
     assert seen["cwd"] == str(home / "jaxtrain")
     assert set(seen["env"]) <= set(env.ALL)
     assert seen["env"] == {env.COORDINATOR: "10.0.0.7:8476", env.NUM_PROCESSES: "3", env.PROCESS_ID: "2"}

@@ -215,7 +215,7 @@ def test_peak_cache_file_honors_xdg_and_the_override():
 def test_ctrl_c_says_what_was_saved_and_how_to_resume(tmp_path):
     out = tmp_path / "run"
     # A slowed host (50 ms per step, same numerics) so the signal lands mid-run.
-    command = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
+    command = [sys.executable, "-m", "jaxtrain", "train", "--config", TINY, f"run.output_dir={out}",
                "checkpoint.compilation_cache_dir=null", *SMALL, "train.steps=400", "train.log_every=1",
                "checkpoint.every_steps=1000", "chaos.slow_seconds=0.05", "--cpu-devices", "1"]
     environ = {**os.environ, env.PEAK_CACHE: str(tmp_path / "peak_flops.json")}

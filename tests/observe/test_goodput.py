@@ -21,7 +21,8 @@ from goodput_run import EVENTS, METRICS, line, write_run
 from helpers import TINY
 
 from jaxtrain.config import ConfigError
-from jaxtrain.observe.goodput import PARTS, goodput, main
+from jaxtrain.commands.goodput import main
+from jaxtrain.observe.goodput import PARTS, goodput
 
 
 # Attempt 0: window 100..126 = 26 s: start-up 10, steps 4 x 1 s (0.5 s of it checkpoint blocking),
@@ -128,7 +129,7 @@ def test_cli_text_and_json(tmp_path, capsys):
     assert "wall time" in text and "restart downtime" in text and "goodput" in text
     assert "straggler: process 1 (b): 2 report(s), steps 2-3, up to 3.00x the median" in text
     assert "hang: process 1 (b) stood still 10.0 s in phase step after step 4" in text
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "goodput", str(run), "--json"],
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "goodput", str(run), "--json"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)) == {"run_dir", "wall_s", "goodput", "parts", "compile_s", "attempts", "restarts",
@@ -138,7 +139,7 @@ def test_cli_text_and_json(tmp_path, capsys):
 def test_not_a_run_directory_is_a_user_error(tmp_path):
     with pytest.raises(ConfigError, match="no events.jsonl"):
         goodput(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "goodput", str(tmp_path / "missing")],
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "goodput", str(tmp_path / "missing")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no events.jsonl" in r.stderr
 
@@ -152,7 +153,7 @@ def test_a_real_run_with_a_hang_and_a_restart(tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXTRAIN_RESTART_ATTEMPT")}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "1",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "1",
                         "--max-restarts", "1", "--grace-period-s", "2", "--", "train", "--config", TINY,
                         "train.steps=8", "train.log_every=1", "data.global_batch_size=8", "checkpoint.every_steps=3",
                         "checkpoint.async_save=false", "fault.hang_timeout_s=3", "chaos.hang_at_step=4",

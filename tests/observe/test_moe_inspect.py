@@ -47,7 +47,7 @@ def test_deepseek_preset_counts_shared_and_dense_layers():
 
 
 def inspect(config: str, *overrides: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "inspect", "--config", str(REPO / config), "--json",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "inspect", "--config", str(REPO / config), "--json",
                         "--cpu-devices", "8", *overrides], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)

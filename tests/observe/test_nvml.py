@@ -161,7 +161,7 @@ def test_a_training_run_reports_gpu_counters_and_its_matmul_figure(tmp_path, fak
                 "FAKE_NVML_BAD": "0", "FAKE_NVML_ECC_PER_READ": "1", "JAX_PLATFORMS": "cpu",
                 "PYTHONPATH": os.pathsep.join(sys.path)})
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY, f"run.output_dir={out}",
                         "train.steps=8", "fault.health_every_steps=2", "fault.health_nvml=always",
                         "checkpoint.save_at_end=false", *SMALL],
                        env=env, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 from jaxtrain.config import load_config
 from jaxtrain.observe.profiling import (COLLECTIVE_KINDS, PARTS, StepProfiler, _Event, _exclusive_segments,
                                         events_from_planes, parse_hlo, summarize_events)

@@ -380,7 +380,7 @@ def test_the_endpoint_adds_no_transfer_and_no_recompile_while_scraped(tmp_path):
 
 
 def launch(env: dict, out: Path, *overrides: str, restarts: int = 0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2",
+    return subprocess.Popen([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2",
                              "--cpu-devices", "1", "--max-restarts", str(restarts), "--grace-period-s", "2", "--",
                              "train", "--config", TINY, *SMALL, f"run.output_dir={out}",
                              f"checkpoint.compilation_cache_dir={env['CACHE']}", "observe.prometheus_addr=127.0.0.1",

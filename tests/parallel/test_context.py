@@ -151,7 +151,7 @@ def test_a_bad_context_config_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
+    result = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY,
                              f"run.output_dir={out}", "mesh.context=8", "mesh.data=1", "data.seq_len=24",
                              "--cpu-devices", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -31,12 +31,12 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_a_tensor_ring_across_two_processes_trains_like_one_process(tmp_path, child_env):
     cache = [f"checkpoint.compilation_cache_dir={child_env['CACHE']}"]
     two, one = tmp_path / "two", tmp_path / "one"
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", "2", "--cpu-devices", "2",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "2",
                         "--max-restarts", "0", "--", "train", "--config", TINY, *RUN, *cache,
                         f"run.output_dir={two}"], env=child_env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, "--cpu-devices", "4",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY, "--cpu-devices", "4",
                         *RUN, *cache, f"run.output_dir={one}"], env=child_env, cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -18,7 +18,7 @@
 #   #    the preinstalled CUDA 13 jax stays (the `gpu` extra would ask for jax[cuda12]):
 #   tpu_gpu_setup/gpu/install.sh --offline
 #   export PYTHONPATH=$PWD/.gpu_site:$PWD                         # as the script prints
-#   python3 -m jaxtrain.cli train --config configs/llama3-1b.yaml
+#   python3 -m jaxtrain train --config configs/llama3-1b.yaml
 #
 # Both end with a check of every runtime import and the devices JAX sees. Then:
 #   python3 tpu_gpu_setup/gpu/check_attention.py --quick    # the attention kernels on this GPU
@@ -49,7 +49,7 @@ case "${1:-}" in
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${whl[@]}"
     # jaxtrain and kernels run from the checkout itself.
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    echo "install.sh: now run: export PYTHONPATH=$SITE:$PWD; python3 -m jaxtrain.cli ..." ;;
+    echo "install.sh: now run: export PYTHONPATH=$SITE:$PWD; python3 -m jaxtrain ..." ;;
   "")
     "$PY" -m pip install -e '.[gpu]' ;;
   *)

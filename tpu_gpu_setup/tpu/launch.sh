@@ -34,7 +34,7 @@ ssh_all all "
   cd ~/jaxtrain
   export JAXTRAIN_COORDINATOR=$COORDINATOR JAXTRAIN_NUM_PROCESSES=${#IPS[@]}
   export JAXTRAIN_PROCESS_ID=\$(curl -s -H 'Metadata-Flavor: Google' $METADATA)
-  nohup ~/venv/bin/python -m jaxtrain.cli train --config $ARGS > ~/train.log 2>&1 < /dev/null &
+  nohup ~/venv/bin/python -m jaxtrain train --config $ARGS > ~/train.log 2>&1 < /dev/null &
   echo \$! > ~/train.pid
   echo \"worker \$JAXTRAIN_PROCESS_ID started (pid \$!), coordinator $COORDINATOR\"
 "

@@ -3,7 +3,8 @@
 `jaxtrain launch [options] -- train --config PATH [key=value ...]` and
 `jaxtrain recovery VERB [options] -- train ...` both take the trainer's own command line after
 `--`; this module splits it off and parses it with the parser `jaxtrain train` uses, so the rules
-are the same.
+are the same. It lives with the commands (not in `launch/`): it is the verbs' argument parsing, and
+the supervisor itself takes any argv.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from jaxtrain.arguments import parse, train_parser
+from jaxtrain.commands.arguments import parse, train_parser
 from jaxtrain.config import Config, ConfigError, load_config
 
 
@@ -20,7 +21,7 @@ class TrainCommand:
     """What the launched processes run, and what the launcher needs to know about it.
 
     Attributes:
-      argv: the command of every process (`python -m jaxtrain.cli train ...`).
+      argv: the command of every process (`python -m jaxtrain train ...`).
       config: the --config path.
       overrides: the `key=value` overrides as given.
       cpu_devices: --cpu-devices, from the launcher or from `train` (None: not given).
@@ -62,7 +63,7 @@ def child_command(train_argv: list[str], cpu_devices: int | None, usage: str = "
     # Phase-1 config check here, once, so a typo fails fast instead of in P processes. Phase 2 (mesh
     # vs devices) needs JAX and happens in the children, which then exit 2.
     cfg = load_config(args.config, args.overrides)
-    argv = [sys.executable, "-m", "jaxtrain.cli", *train_argv]
+    argv = [sys.executable, "-m", "jaxtrain", *train_argv]
     if cpu_devices is not None:
         argv += ["--cpu-devices", str(cpu_devices)]
     return TrainCommand(argv=argv, config=args.config, overrides=list(args.overrides),
