@@ -1,8 +1,12 @@
 """Typed configuration: YAML files plus `dotted.key=value` overrides, validated in two phases.
 
-Phase 1 (`load_config`) checks what is knowable from the text alone: keys, types, choices and
-model shape rules. Phase 2 (`jaxtrain.parallel.mesh.validate_against_devices`) runs after distributed
-init, when the device count is known, and before anything is written to disk.
+Phase 1 (`load_config`, `validate`) checks what is knowable from the text alone: keys, types, choices and
+model shape rules. Each section's dataclass checks its own keys (its `validate()` method); `validate`
+calls them and then `validate_cross_section`, the rules that span sections. A field that takes a
+fixed set of strings is typed `Literal[...]`: the loader, the checks, the error messages and
+docs/config.md all read the allowed values from that one annotation (`choices`). Phase 2
+(`jaxtrain.parallel.mesh_shape.validate_against_devices`, one call) runs after distributed init, when
+the device and process counts are known, and before anything is built or written to disk.
 
 Every user error raises `ConfigError`; the CLI turns it into one stderr line and exit code 2.
 YAML is read with `yaml.safe_load`: nothing in a config is ever executed.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -27,6 +32,40 @@ class ConfigError(ValueError):
     """A problem the user can fix in the config or command line (exit code 2)."""
 
 
+def _require(key: str, value: Any, ok: bool, rule: str) -> None:
+    """Raise the one-line `config key '<key>' <rule>, got <value>` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config key '{key}' {rule}, got {value}")
+
+
+def literal_choices(t: Any) -> Optional[tuple]:
+    """The values a `Literal[...]` type (or a Union of Literals and None) allows, else None: read from
+    the annotation with `typing.get_args`, so a field's allowed values are written once, in its type."""
+    origin = typing.get_origin(t)
+    if origin is Literal:
+        return typing.get_args(t)
+    if origin is typing.Union or origin is types.UnionType:
+        parts = [literal_choices(a) if a is not type(None) else (None,) for a in typing.get_args(t)]
+        if all(p is not None for p in parts):
+            return tuple(dict.fromkeys(c for p in parts for c in p))
+    return None
+
+
+def choices(section: type, name: str) -> tuple:
+    """The values the Literal-typed field `name` of the section dataclass `section` allows, e.g.
+    `choices(PrecisionConfig, "policy")` -> ('fp32', 'bf16', 'fp16')."""
+    allowed = literal_choices(typing.get_type_hints(section)[name])
+    if allowed is None:
+        raise TypeError(f"{section.__name__}.{name} is not a Literal-typed field")
+    return allowed
+
+
+def not_a_choice(key: str, value: Any, allowed: tuple) -> ConfigError:
+    """The one-line error for a value outside a Literal field's allowed values, naming them."""
+    named = ", ".join("null" if c is None else str(c) for c in allowed)
+    return ConfigError(f"config key '{key}' must be one of {named}; got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Naming, where a run writes, and its seed."""
@@ -39,6 +78,15 @@ class RunConfig:
     # [train.steps], or `all`. Without it such a change stops the run with exit 2 (docs/checkpoint.md,
     # "Changed config on resume"; jaxtrain/train/config_changes.py). Not compared itself.
     allow_changes: list | str = dataclasses.field(default_factory=list)
+
+    def validate(self) -> None:
+        """The run section's own rules (Config's `validate` adds the cross-section ones)."""
+        allowed = self.allow_changes
+        if isinstance(allowed, str) and allowed != "all":
+            raise ConfigError(f"config key 'run.allow_changes' must be a list of dotted keys or `all`, got '{allowed}'")
+        for key in (allowed if isinstance(allowed, list) else []):
+            if key != "all" and key not in all_keys():
+                raise ConfigError(f"run.allow_changes names {_unknown_key(str(key))}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +105,29 @@ class TrainConfig:
     # [first, last]: trace these steps with the JAX profiler into <output_dir>/profile/, read with
     # `jaxtrain profile-summary RUN_DIR` (docs/profiling.md); empty = no trace.
     profile_steps: list = dataclasses.field(default_factory=list)
+    # Every N steps (0 = never), continue sample_prompts with the current parameters; the text goes to
+    # events.jsonl (`samples`) and TensorBoard's text tab (docs/generate.md).
+    sample_every: int = 0
+    # Prompts (text, read with the data's tokenizer); [] = one prompt, the end-of-text id alone (what the
+    # model writes from a document's start). Markov data has no tokenizer: [] only.
+    sample_prompts: list = dataclasses.field(default_factory=list)
+    sample_max_new_tokens: int = 32  # tokens generated per prompt
+    sample_temperature: float = 0.0  # 0 = greedy; above 0 sampled, seeded by run.seed and the step
+
+    def validate(self) -> None:
+        """The train section's own rules."""
+        for key in ("steps", "log_every", "grad_accum", "host_sync_every", "sample_max_new_tokens"):
+            _require(f"train.{key}", getattr(self, key), getattr(self, key) > 0, "must be positive")
+        for key in ("eval_every", "eval_batches", "sample_every", "sample_temperature"):
+            _require(f"train.{key}", getattr(self, key), getattr(self, key) >= 0, "must be >= 0")
+        if not all(isinstance(p, str) and p for p in self.sample_prompts):
+            raise ConfigError(f"config key 'train.sample_prompts' must be a list of non-empty strings; "
+                              f"got {self.sample_prompts!r}")
+        ps = self.profile_steps
+        if ps and not (len(ps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ps)
+                       and 1 <= ps[0] <= ps[1]):
+            raise ConfigError(f"config key 'train.profile_steps' must be [first, last] with 1 <= first <= last "
+                              f"(e.g. [10, 12]), or [] for no trace; got {ps!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +145,13 @@ class OptimConfig:
     # Length of the warmup + decay schedule in steps (null = train.steps). Set it to the old train.steps to
     # train a finished run on past its end at the final learning rate instead of re-stretching the schedule.
     decay_steps: Optional[int] = None
+
+    def validate(self) -> None:
+        """The optim section's own rules."""
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ConfigError(f"config key 'optim.decay_steps' must be >= 1 (null = train.steps), got {self.decay_steps}")
 
 
 DEFAULT_RULES: dict = {
@@ -130,6 +208,33 @@ class MeshConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", {**DEFAULT_RULES, **self.rules})
 
+    def validate(self) -> None:
+        """The mesh section's own rules: axis sizes, DCN splits and the rules table's names. What
+        needs the device count is `jaxtrain.parallel.mesh_shape.validate_against_devices`."""
+        for axis in MESH_AXES:
+            v = getattr(self, axis)
+            if v == 0 or v < -1:
+                raise ConfigError(f"config key 'mesh.{axis}' must be a positive size or -1 (fill), got {v}")
+        for axis in DCN_MESH_AXES:
+            if getattr(self, f"dcn_{axis}") < 1:
+                raise ConfigError(f"config key 'mesh.dcn_{axis}' must be a positive size (1 = no DCN split), "
+                                  f"got {getattr(self, f'dcn_{axis}')}")
+        filled = [f"mesh.{a}" for a in MESH_AXES if getattr(self, a) == -1]
+        if len(filled) > 1:
+            raise ConfigError(f"only one mesh axis may be -1 (fill with the remaining devices), got {' and '.join(filled)}")
+        known = logical_axis_names()
+        for logical in self.rules:
+            if logical not in known:
+                close = difflib.get_close_matches(str(logical), known, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(f"mesh.rules names unknown logical axis '{logical}'{hint} (known: {', '.join(known)})")
+        for logical, target in self.rules.items():
+            targets = target if isinstance(target, list) else [target]
+            for a in targets:
+                if a is not None and a not in MESH_AXES:
+                    raise ConfigError(f"mesh.rules['{logical}'] names mesh axis '{a}'; "
+                                      f"valid axes are {', '.join(MESH_AXES)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
@@ -150,6 +255,11 @@ class PipelineConfig:
     # weight gradients unsharded over fsdp for the whole pass.
     gather_fsdp_once: bool = False
 
+    def validate(self) -> None:
+        """The pipeline section's own rules (`validate_pipeline` checks them against a stage count)."""
+        for key in ("microbatches", "repeats"):
+            _require(f"pipeline.{key}", getattr(self, key), getattr(self, key) > 0, "must be positive")
+
 
 @dataclasses.dataclass(frozen=True)
 class ContextConfig:
@@ -162,6 +272,10 @@ class ContextConfig:
     # zigzag: device i holds sequence chunks i and 2C-1-i, so causal attention work is equal on every
     # device; plain: contiguous chunks (the last device does ~2x the average work).
     order: Literal["zigzag", "plain"] = "zigzag"
+
+    def validate(self) -> None:
+        """Nothing beyond its Literal choices (`check_field_values`); `validate_context` checks the
+        section against a context size."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +329,54 @@ class ModelConfig:
         """MoE layers in the stack (0 when dense): one in every `moe_every` after `first_dense_layers`."""
         return (self.num_layers - self.first_dense_layers) // self.moe_every if self.num_experts > 0 else 0
 
+    def validate(self) -> None:
+        """The model section's own rules: its shape, rotary embedding and mixture of experts."""
+        for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                    "max_seq_len"):
+            _require(f"model.{key}", getattr(self, key), getattr(self, key) > 0, "must be positive")
+        self._validate_moe()
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads} "
+                "(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be positive")
+        if self.rope_scaling == "llama3":
+            if self.rope_scaling_factor < 1.0:
+                raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be >= 1 (1 = no scaling)")
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} must be positive and smaller "
+                                  f"than model.rope_high_freq_factor={self.rope_high_freq_factor} (they bound the "
+                                  "smoothed band)")
+            if self.rope_original_max_len <= 0:
+                raise ConfigError(f"model.rope_original_max_len={self.rope_original_max_len} must be positive")
+
+    def _validate_moe(self) -> None:
+        """The mixture-of-experts keys (model.num_experts > 0; docs/moe.md). mesh.expert without
+        experts is a cross-section check (`validate_cross_section`)."""
+        if self.num_experts < 0:
+            raise ConfigError(f"model.num_experts={self.num_experts} must be >= 0 (0 = dense MLPs)")
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
+                              f"model.num_experts={self.num_experts}")
+        if self.moe_mlp_dim < 0 or self.num_shared_experts < 0:
+            raise ConfigError("model.moe_mlp_dim and model.num_shared_experts must be >= 0")
+        if not 0 <= self.first_dense_layers < self.num_layers:
+            raise ConfigError(f"model.first_dense_layers={self.first_dense_layers} must be within [0, model.num_layers="
+                              f"{self.num_layers}): at least one layer must be MoE")
+        after = self.num_layers - self.first_dense_layers
+        if self.moe_every < 1 or after % self.moe_every:
+            raise ConfigError(f"model.moe_every={self.moe_every} must be >= 1 and divide the {after} layers after "
+                              f"model.first_dense_layers={self.first_dense_layers} (groups of moe_every - 1 dense layers "
+                              "and one MoE layer)")
+        for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -239,6 +401,21 @@ class DataConfig:
     markov_branching: int = 4  # markov source: successors per state
     markov_temperature: float = 1.0  # markov source: softness of transition probabilities
 
+    def validate(self) -> None:
+        """The data section's own rules (`data.source: null` passes here: `validate`'s need_data decides)."""
+        for key in ("seq_len", "global_batch_size"):
+            _require(f"data.{key}", getattr(self, key), getattr(self, key) > 0, "must be positive")
+        _require("data.prefetch", self.prefetch + 1, self.prefetch + 1 > 0, "must be positive")
+        if self.source == "markov" and not 1 <= self.markov_branching <= self.markov_states:
+            raise ConfigError(f"data.markov_branching={self.markov_branching} must be between 1 and data.markov_states")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"data.seed={self.seed} must be within [0, 2**32) (it seeds Grain's index shuffle)")
+        if self.source == "markov" and self.eval:  # it would be ignored: the markov source has its own held-out stream
+            raise ConfigError(f"data.eval='{self.eval}' is for the tokens and text sources; data.source=markov evaluates "
+                              "on its own held-out stream (remove data.eval)")
+        if self.source in ("tokens", "text") and not self.path:
+            raise ConfigError(f"data.source={self.source} needs data.path (a file, directory or glob)")
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
@@ -252,6 +429,16 @@ class PrecisionConfig:
     growth_factor: float = 2.0  # fp16: scale *= this after growth_interval clean steps
     backoff_factor: float = 0.5  # fp16: scale *= this after a step with non-finite gradients
     min_loss_scale: float = 1.0  # fp16: the scale never backs off below this
+
+    def validate(self) -> None:
+        """The precision section's own rules (the loss scale lives in float32)."""
+        _require("precision.loss_scale_init", self.loss_scale_init, 0 < self.loss_scale_init <= FLOAT32_MAX,
+                 "must be positive and fit in float32 (<= 3.4e38)")
+        _require("precision.growth_interval", self.growth_interval, self.growth_interval > 0, "must be positive")
+        _require("precision.growth_factor", self.growth_factor, self.growth_factor > 1, "must be > 1")
+        _require("precision.backoff_factor", self.backoff_factor, 0 < self.backoff_factor < 1, "must be within (0, 1)")
+        _require("precision.min_loss_scale", self.min_loss_scale, 0 < self.min_loss_scale <= self.loss_scale_init,
+                 "must be positive and at most precision.loss_scale_init")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +462,20 @@ class StabilityConfig:
     def history_needed(self) -> int:
         """`min_history`, or when unset the default that follows `window` (20, at most the window)."""
         return min(20, self.window) if self.min_history is None else self.min_history
+
+    def validate(self) -> None:
+        """The stability section's own rules."""
+        _require("stability.window", self.window, self.window > 0, "must be positive")
+        _require("stability.spike_threshold", self.spike_threshold, self.spike_threshold > 0, "must be positive")
+        _require("stability.min_rise", self.min_rise, self.min_rise >= 0, "must be >= 0")
+        _require("stability.divergence_rise", self.divergence_rise, self.divergence_rise > 0, "must be positive")
+        _require("stability.min_history", self.min_history, self.history_needed >= 2,
+                 "must be at least 2 (a spread needs two values)")
+        _require("stability.min_history", self.min_history, self.history_needed <= self.window,
+                 f"must be at most stability.window ({self.window}): the history holds only that many values")
+        _require("stability.rebaseline_after", self.rebaseline_after, self.rebaseline_after >= 1, "must be >= 1")
+        for key in ("max_spikes", "skip_batches", "max_rollbacks", "z_loss"):
+            _require(f"stability.{key}", getattr(self, key), getattr(self, key) >= 0, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,12 +509,31 @@ class CheckpointConfig:
     # How a replica reaches its holder: "auto" writes into the holder's folder when it is this process's
     # too (same host, same local_dir) and sends it over TCP otherwise (private disks); "files" always
     # writes (local_dir on storage every host sees); "network" always sends.
-    local_transfer: str = "auto"
+    local_transfer: Literal["auto", "files", "network"] = "auto"
     # What a local save blocks on: "device" dispatches an on-device copy of the state and returns (the
     # writer thread reads the copy to the host; one more state share of device memory meanwhile);
     # "host" waits for the step and copies to the host on the loop thread; "auto": device on the CPU
     # (its device memory is host memory), host on accelerators, where that memory is scarce.
-    local_snapshot: str = "auto"
+    local_snapshot: Literal["auto", "device", "host"] = "auto"
+
+    def validate(self) -> None:
+        """The checkpoint section's own rules (the local tier's folder against run.output_dir is a
+        cross-section check)."""
+        for key in ("every_steps", "every_minutes", "keep_last", "keep_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key} must be >= 0, got {getattr(self, key)}")
+        if self.keep_last == 0:  # retention never deletes the newest good checkpoint: 0 would silently keep one
+            raise ConfigError("checkpoint.keep_last=0 is not supported: the newest good checkpoint is always kept; "
+                              "use keep_last >= 1")
+        if self.barrier_timeout_s <= 0:
+            raise ConfigError(f"checkpoint.barrier_timeout_s must be positive, got {self.barrier_timeout_s}")
+        if self.local_every_steps < 0 or self.local_replicas < 0 or self.local_keep < 1:
+            raise ConfigError("checkpoint.local_every_steps and checkpoint.local_replicas must be >= 0 and "
+                              f"checkpoint.local_keep >= 1, got {self.local_every_steps}, {self.local_replicas}, "
+                              f"{self.local_keep}")
+        if self.local_every_steps > 0 and self.local_dir is not None and "://" in self.local_dir:
+            raise ConfigError(f"checkpoint.local_dir='{self.local_dir}' must be a node-local path (a local SSD or "
+                              "/dev/shm), not a URL: the local tier is never uploaded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +567,19 @@ class FaultConfig:
     # answers (a CPU job on a GPU node); never: off.
     health_nvml: Literal["auto", "always", "never"] = "auto"
 
+    def validate(self) -> None:
+        """The fault section's own rules."""
+        _require("fault.hang_timeout_s", self.hang_timeout_s, self.hang_timeout_s >= 0, "must be >= 0 (0 = off)")
+        _require("fault.startup_timeout_s", self.startup_timeout_s, self.startup_timeout_s > 0, "must be positive")
+        _require("fault.checkpoint_timeout_s", self.checkpoint_timeout_s, self.checkpoint_timeout_s > 0,
+                 "must be positive")
+        _require("fault.straggler_every", self.straggler_every, self.straggler_every >= 0, "must be >= 0 (0 = off)")
+        _require("fault.health_every_steps", self.health_every_steps, self.health_every_steps >= 0,
+                 "must be >= 0 (0 = off)")
+        _require("fault.straggler_factor", self.straggler_factor, self.straggler_factor > 1, "must be > 1")
+        _require("fault.preflight_factor", self.preflight_factor, 0 < self.preflight_factor < 1,
+                 "must be within (0, 1)")
+
 
 @dataclasses.dataclass(frozen=True)
 class ObserveConfig:
@@ -359,6 +592,15 @@ class ObserveConfig:
     # Also write the metrics atomically to this .prom file for node_exporter's textfile collector
     # ({process} in the path: the process index; else -p<index> is added for multi-process jobs). null = no file.
     prometheus_textfile: Optional[str] = None
+
+    def validate(self) -> None:
+        """The observe section's own rules."""
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError(f"config key 'observe.prometheus_port' must be a TCP port within [0, 65535] (0 = off), "
+                              f"got {self.prometheus_port}")
+        if self.prometheus_textfile is not None and not self.prometheus_textfile.endswith(".prom"):
+            raise ConfigError(f"config key 'observe.prometheus_textfile' must end in .prom (node_exporter's textfile "
+                              f"collector reads only those), got '{self.prometheus_textfile}'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +651,46 @@ class ChaosConfig:
             return {f"chaos.slow_link[{k}][{e}]": p for k, pair in enumerate(links) for e, p in enumerate(pair)}
         return {f"chaos.slow_link[{k}]": p for k, p in enumerate(links)}
 
+    def validate(self) -> None:
+        """The drills' own rules, from the text alone (the drills: jaxtrain/fault/chaos.py). Whether the
+        processes they name exist is `validate_processes`, once the job's size is known."""
+        _require("chaos.spike_factor", self.spike_factor, self.spike_factor > 0, "must be positive")
+        for key in ("nan_at_steps", "spike_at_steps", "corrupt_at_steps"):
+            steps = getattr(self, key)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):
+                raise ConfigError(f"config key 'chaos.{key}' must be a list of step numbers >= 1, got {steps!r}")
+        for key in ("slow_seconds", "start_delay_s", "slow_link_seconds", "kill_process", "slow_process",
+                    "crash_at_step", "raise_process"):
+            _require(f"chaos.{key}", getattr(self, key), getattr(self, key) >= 0, "must be >= 0")
+        links = ([self.slow_link] if self.slow_link and not isinstance(self.slow_link[0], list)
+                 else self.slow_link)
+        if not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
+                   and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p) for p in links):
+            raise ConfigError(f"config key 'chaos.slow_link' must be two different process indices [i, j], "
+                              f"or a list of such pairs [[i, j], ...]; got {self.slow_link!r}")
+        if self.crash_process < -1:
+            raise ConfigError(f"config key 'chaos.crash_process' must be a slot number >= 0 or -1 (none), "
+                              f"got {self.crash_process}")
+        if self.hang_in_step and self.hang_freeze:
+            raise ConfigError("config keys 'chaos.hang_in_step' and 'chaos.hang_freeze' are two ways to hang: set "
+                              "one, not both")
+
+    def validate_processes(self, num_processes: int, under_launcher: bool = False) -> None:
+        """Every drill that is on names a process of a job of `num_processes` (a device-time check:
+        `jaxtrain.parallel.mesh_shape.validate_against_devices` calls it). `under_launcher`: the
+        processes run in `jaxtrain launch` slots, and `crash_process` names a slot (maybe an isolated one)."""
+        drills = {"chaos.kill_process": (self.kill_process, self.kill_at_step >= 0),
+                  "chaos.slow_process": (self.slow_process, self.slow_seconds > 0 or self.start_delay_s > 0),
+                  "chaos.hang_process": (self.hang_process, self.hang_at_step >= 0),
+                  "chaos.raise_process": (self.raise_process, self.raise_at_step >= 0),
+                  **{key: (p, True) for key, p in self.slow_link_ends().items()}}
+        if not under_launcher:  # under `jaxtrain launch` it is a slot, which may be an isolated one
+            drills["chaos.crash_process"] = (self.crash_process, self.crash_process >= 0)
+        for key, (process, enabled) in drills.items():
+            if enabled and not 0 <= process < num_processes:
+                raise ConfigError(f"{key}={process} names no process of this job: it has {num_processes} "
+                                  f"process(es), numbered 0 to {num_processes - 1}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -432,7 +714,11 @@ class Config:
 
     def with_overrides(self, *overrides: str) -> "Config":
         """A copy with `dotted.key=value` overrides applied and validated again."""
-        return from_dict(_apply_overrides(self.to_dict(), list(overrides)))
+        return from_dict(apply_overrides(self.to_dict(), list(overrides)))
+
+    def validate(self, *, need_data: bool = True) -> None:
+        """Phase 1 (the module's `validate`): every section's own rules, then the cross-section ones."""
+        validate(self, need_data=need_data)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -524,10 +810,9 @@ def _coerce(key: str, value: Any, t: Any) -> Any:
                 pass
         raise ConfigError(f"config key '{key}' expects {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
-        choices = typing.get_args(t)
-        if value not in choices:
-            named = ", ".join("null" if c is None else str(c) for c in choices)
-            raise ConfigError(f"config key '{key}' must be one of {named}; got {value!r}")
+        allowed = typing.get_args(t)
+        if value not in allowed:
+            raise not_a_choice(key, value, allowed)
         return value
     if t is bool:
         if isinstance(value, bool):
@@ -586,7 +871,12 @@ def from_dict(data: dict, *, need_data: bool = True) -> Config:
     return cfg
 
 
-def _apply_overrides(data: dict, overrides: list[str]) -> dict:
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`data` (a config as nested dicts) with `dotted.key=value` overrides set; values parse as YAML.
+
+    Raises:
+      ConfigError: an override without `=`, or an unknown key (the nearest known one suggested).
+    """
     valid = set(all_keys())
     for item in overrides:
         if "=" not in item:
@@ -633,7 +923,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
-    return from_dict(_apply_overrides(data, list(overrides)), need_data=need_data)
+    return from_dict(apply_overrides(data, list(overrides)), need_data=need_data)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -658,51 +948,49 @@ def logical_axis_names() -> list[str]:
 def validate(cfg: Config, *, need_data: bool = True) -> None:
     """Phase 1: rules that need no devices. Raises ConfigError naming the keys involved.
 
+    In order: whether data is chosen; for every section, the checks all sections share
+    (`check_field_values`) and then its own `validate()`; last the rules that span sections
+    (`validate_cross_section`). Phase 2, what needs the device and process counts, is
+    `jaxtrain.parallel.mesh_shape.validate_against_devices`.
+
     `need_data=False` accepts a config whose data is not chosen yet (`data.source: null`, as
     import-hf writes it) for readers that need only the model (export-hf).
     """
-    m, d, t = cfg.model, cfg.data, cfg.train
-    if d.source is None and need_data:
+    if cfg.data.source is None and need_data:
         raise ConfigError(DATA_NOT_CHOSEN)
-    positive = {
-        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
-        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.head_dim": m.head_dim,
-        "model.mlp_dim": m.mlp_dim, "model.max_seq_len": m.max_seq_len, "data.seq_len": d.seq_len,
-        "data.global_batch_size": d.global_batch_size, "train.steps": t.steps, "train.log_every": t.log_every,
-        "train.grad_accum": t.grad_accum, "data.prefetch": d.prefetch + 1,
-        "train.host_sync_every": t.host_sync_every,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"config key '{key}' must be positive, got {value}")
-    for axis in MESH_AXES:
-        v = getattr(cfg.mesh, axis)
-        if v == 0 or v < -1:
-            raise ConfigError(f"config key 'mesh.{axis}' must be a positive size or -1 (fill), got {v}")
-    for axis in DCN_MESH_AXES:
-        if getattr(cfg.mesh, f"dcn_{axis}") < 1:
-            raise ConfigError(f"config key 'mesh.dcn_{axis}' must be a positive size (1 = no DCN split), "
-                              f"got {getattr(cfg.mesh, f'dcn_{axis}')}")
-    filled = [f"mesh.{a}" for a in MESH_AXES if getattr(cfg.mesh, a) == -1]
-    if len(filled) > 1:
-        raise ConfigError(f"only one mesh axis may be -1 (fill with the remaining devices), got {' and '.join(filled)}")
-    validate_moe(cfg)
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads} "
-            "(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)")
-    if m.head_dim % 2:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
-    if m.rope_theta <= 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
-    if m.rope_scaling == "llama3":
-        if m.rope_scaling_factor < 1.0:
-            raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 (1 = no scaling)")
-        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-            raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be positive and smaller than "
-                              f"model.rope_high_freq_factor={m.rope_high_freq_factor} (they bound the smoothed band)")
-        if m.rope_original_max_len <= 0:
-            raise ConfigError(f"model.rope_original_max_len={m.rope_original_max_len} must be positive")
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        check_field_values(f.name, section)
+        section.validate()
+    validate_cross_section(cfg)
+
+
+@functools.cache
+def _field_types(section: type) -> dict[str, Any]:
+    return typing.get_type_hints(section)
+
+
+def check_field_values(name: str, section: Any) -> None:
+    """The checks every section shares: each float finite (inf would e.g. skip every fp16 step), each
+    Literal-typed field one of its values (the loader checks those too, but a section built in Python
+    is not loaded). `name`: the section's key in Config."""
+    types_ = _field_types(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key '{name}.{f.name}' must be a finite number, got {value}")
+        allowed = literal_choices(types_[f.name])
+        if allowed is not None and value not in allowed:
+            raise not_a_choice(f"{name}.{f.name}", value, allowed)
+
+
+def validate_cross_section(cfg: Config) -> None:
+    """Phase-1 rules that involve keys of more than one section (each section's own rules ran first)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    # model x mesh
+    if m.num_experts == 0 and cfg.mesh.expert > 1:
+        raise ConfigError(f"mesh.expert={cfg.mesh.expert} needs a mixture of experts (model.num_experts > 0)")
+    # data x model, data x train
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} is larger than model.max_seq_len={m.max_seq_len}")
     if d.global_batch_size % t.grad_accum:
@@ -711,179 +999,27 @@ def validate(cfg: Config, *, need_data: bool = True) -> None:
     if d.source == "markov" and not 2 <= d.markov_states <= m.vocab_size:
         raise ConfigError(
             f"data.markov_states={d.markov_states} must be between 2 and model.vocab_size={m.vocab_size}")
-    if d.source == "markov" and not 1 <= d.markov_branching <= d.markov_states:
-        raise ConfigError(f"data.markov_branching={d.markov_branching} must be between 1 and data.markov_states")
     if d.eod_id is not None and not 0 <= d.eod_id < m.vocab_size:
         raise ConfigError(f"data.eod_id={d.eod_id} must be within [0, model.vocab_size={m.vocab_size})")
     if d.source == "text" and d.tokenizer == "bytes" and m.vocab_size < 257:
         raise ConfigError(f"data.tokenizer=bytes needs model.vocab_size >= 257 (256 byte values + the "
                           f"end-of-document id 256), got {m.vocab_size}")
-    if not 0 <= d.seed < 2**32:
-        raise ConfigError(f"data.seed={d.seed} must be within [0, 2**32) (it seeds Grain's index shuffle)")
-    if d.source == "markov" and d.eval:  # it would be ignored: the markov source has its own held-out stream
-        raise ConfigError(f"data.eval='{d.eval}' is for the tokens and text sources; data.source=markov evaluates "
-                          "on its own held-out stream (remove data.eval)")
-    if d.source in ("tokens", "text") and not d.path:
-        raise ConfigError(f"data.source={d.source} needs data.path (a file, directory or glob)")
-    for key, value in {"pipeline.microbatches": cfg.pipeline.microbatches, "pipeline.repeats": cfg.pipeline.repeats}.items():
-        if value <= 0:
-            raise ConfigError(f"config key '{key}' must be positive, got {value}")
-    if cfg.mesh.stage > 1:  # -1 (fill) is checked in phase 2, once the stage count is known
+    # mesh x pipeline / context x model, data, train (a -1 axis is checked in phase 2, once its size is known)
+    if cfg.mesh.stage > 1:
         validate_pipeline(cfg, cfg.mesh.stage)
-    if cfg.mesh.context > 1:  # -1 (fill) is checked in phase 2, once the context size is known
+    if cfg.mesh.context > 1:
         validate_context(cfg, cfg.mesh.context)
-    known = logical_axis_names()
-    for logical in cfg.mesh.rules:
-        if logical not in known:
-            close = difflib.get_close_matches(str(logical), known, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"mesh.rules names unknown logical axis '{logical}'{hint} (known: {', '.join(known)})")
-    for logical, target in cfg.mesh.rules.items():
-        targets = target if isinstance(target, list) else [target]
-        for a in targets:
-            if a is not None and a not in MESH_AXES:
-                raise ConfigError(f"mesh.rules['{logical}'] names mesh axis '{a}'; "
-                                  f"valid axes are {', '.join(MESH_AXES)}")
-    for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            value = getattr(getattr(cfg, section.name), f.name)
-            if isinstance(value, float) and not math.isfinite(value):  # inf would e.g. skip every fp16 step
-                raise ConfigError(f"config key '{section.name}.{f.name}' must be a finite number, got {value}")
-    p, st = cfg.precision, cfg.stability
-    checks = [
-        ("precision.loss_scale_init", p.loss_scale_init, 0 < p.loss_scale_init <= FLOAT32_MAX,
-         "must be positive and fit in float32 (<= 3.4e38)"),
-        ("precision.growth_interval", p.growth_interval, p.growth_interval > 0, "must be positive"),
-        ("precision.growth_factor", p.growth_factor, p.growth_factor > 1, "must be > 1"),
-        ("precision.backoff_factor", p.backoff_factor, 0 < p.backoff_factor < 1, "must be within (0, 1)"),
-        ("precision.min_loss_scale", p.min_loss_scale, 0 < p.min_loss_scale <= p.loss_scale_init,
-         "must be positive and at most precision.loss_scale_init"),
-        ("stability.window", st.window, st.window > 0, "must be positive"),
-        ("stability.spike_threshold", st.spike_threshold, st.spike_threshold > 0, "must be positive"),
-        ("stability.min_rise", st.min_rise, st.min_rise >= 0, "must be >= 0"),
-        ("stability.divergence_rise", st.divergence_rise, st.divergence_rise > 0, "must be positive"),
-        ("stability.min_history", st.min_history, st.history_needed >= 2, "must be at least 2 (a spread needs two values)"),
-        ("stability.min_history", st.min_history, st.history_needed <= st.window,
-         f"must be at most stability.window ({st.window}): the history holds only that many values"),
-        ("stability.rebaseline_after", st.rebaseline_after, st.rebaseline_after >= 1, "must be >= 1"),
-        ("stability.max_spikes", st.max_spikes, st.max_spikes >= 0, "must be >= 0"),
-        ("stability.skip_batches", st.skip_batches, st.skip_batches >= 0, "must be >= 0"),
-        ("stability.max_rollbacks", st.max_rollbacks, st.max_rollbacks >= 0, "must be >= 0"),
-        ("stability.z_loss", st.z_loss, st.z_loss >= 0, "must be >= 0"),
-        ("chaos.spike_factor", cfg.chaos.spike_factor, cfg.chaos.spike_factor > 0, "must be positive"),
-        ("fault.hang_timeout_s", cfg.fault.hang_timeout_s, cfg.fault.hang_timeout_s >= 0, "must be >= 0 (0 = off)"),
-        ("fault.startup_timeout_s", cfg.fault.startup_timeout_s, cfg.fault.startup_timeout_s > 0, "must be positive"),
-        ("fault.checkpoint_timeout_s", cfg.fault.checkpoint_timeout_s, cfg.fault.checkpoint_timeout_s > 0,
-         "must be positive"),
-        ("fault.straggler_every", cfg.fault.straggler_every, cfg.fault.straggler_every >= 0, "must be >= 0 (0 = off)"),
-        ("fault.health_every_steps", cfg.fault.health_every_steps, cfg.fault.health_every_steps >= 0,
-         "must be >= 0 (0 = off)"),
-        ("fault.straggler_factor", cfg.fault.straggler_factor, cfg.fault.straggler_factor > 1, "must be > 1"),
-        ("fault.preflight_factor", cfg.fault.preflight_factor, 0 < cfg.fault.preflight_factor < 1,
-         "must be within (0, 1)"),
-    ]
-    for key, value, ok, rule in checks:
-        if not ok:
-            raise ConfigError(f"config key '{key}' {rule}, got {value}")
-    o = cfg.observe
-    if not 0 <= o.prometheus_port <= 65535:
-        raise ConfigError(f"config key 'observe.prometheus_port' must be a TCP port within [0, 65535] (0 = off), "
-                          f"got {o.prometheus_port}")
-    if o.prometheus_textfile is not None and not o.prometheus_textfile.endswith(".prom"):
-        raise ConfigError(f"config key 'observe.prometheus_textfile' must end in .prom (node_exporter's textfile "
-                          f"collector reads only those), got '{o.prometheus_textfile}'")
-    for key in ("nan_at_steps", "spike_at_steps", "corrupt_at_steps"):
-        steps = getattr(cfg.chaos, key)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):
-            raise ConfigError(f"config key 'chaos.{key}' must be a list of step numbers >= 1, got {steps!r}")
-    ch = cfg.chaos
-    for key, value in {"chaos.slow_seconds": ch.slow_seconds, "chaos.start_delay_s": ch.start_delay_s,
-                       "chaos.slow_link_seconds": ch.slow_link_seconds,
-                       "chaos.kill_process": ch.kill_process, "chaos.slow_process": ch.slow_process,
-                       "chaos.crash_at_step": ch.crash_at_step, "chaos.raise_process": ch.raise_process,
-                       "train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches}.items():
-        if value < 0:
-            raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
-    links = [ch.slow_link] if ch.slow_link and not isinstance(ch.slow_link[0], list) else ch.slow_link
-    if not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
-               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p) for p in links):
-        raise ConfigError(f"config key 'chaos.slow_link' must be two different process indices [i, j], "
-                          f"or a list of such pairs [[i, j], ...]; got {ch.slow_link!r}")
-    if ch.crash_process < -1:
-        raise ConfigError(f"config key 'chaos.crash_process' must be a slot number >= 0 or -1 (none), got {ch.crash_process}")
-    if ch.hang_in_step and ch.hang_freeze:
-        raise ConfigError("config keys 'chaos.hang_in_step' and 'chaos.hang_freeze' are two ways to hang: set one, "
-                          "not both")
-    if ch.hang_in_step and cfg.fault.step_markers == "never":
+    # chaos x fault
+    if cfg.chaos.hang_in_step and cfg.fault.step_markers == "never":
         raise ConfigError("config key 'chaos.hang_in_step' blocks inside the step's start mark, a host callback that "
                           "fault.step_markers=never leaves out: set fault.step_markers=auto")
-    ps = t.profile_steps
-    if ps and not (len(ps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ps) and 1 <= ps[0] <= ps[1]):
-        raise ConfigError(f"config key 'train.profile_steps' must be [first, last] with 1 <= first <= last "
-                          f"(e.g. [10, 12]), or [] for no trace; got {ps!r}")
+    # checkpoint x run
     c = cfg.checkpoint
-    for key, value in {"every_steps": c.every_steps, "every_minutes": c.every_minutes, "keep_last": c.keep_last,
-                       "keep_every": c.keep_every}.items():
-        if value < 0:
-            raise ConfigError(f"checkpoint.{key} must be >= 0, got {value}")
-    if c.keep_last == 0:  # retention never deletes the newest good checkpoint: 0 would silently keep one
-        raise ConfigError("checkpoint.keep_last=0 is not supported: the newest good checkpoint is always kept; "
-                          "use keep_last >= 1")
-    if c.barrier_timeout_s <= 0:
-        raise ConfigError(f"checkpoint.barrier_timeout_s must be positive, got {c.barrier_timeout_s}")
-    if c.local_every_steps < 0 or c.local_replicas < 0 or c.local_keep < 1:
-        raise ConfigError("checkpoint.local_every_steps and checkpoint.local_replicas must be >= 0 and "
-                          f"checkpoint.local_keep >= 1, got {c.local_every_steps}, {c.local_replicas}, {c.local_keep}")
-    if c.local_snapshot not in ("auto", "device", "host"):
-        raise ConfigError(f"checkpoint.local_snapshot must be auto, device or host, got '{c.local_snapshot}'")
-    if c.local_transfer not in ("auto", "files", "network"):
-        raise ConfigError(f"checkpoint.local_transfer must be auto, files or network, got '{c.local_transfer}'")
-    if c.local_every_steps > 0 and c.local_dir is not None:
-        if "://" in c.local_dir:
-            raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' must be a node-local path (a local SSD or "
-                              "/dev/shm), not a URL: the local tier is never uploaded")
-        if "://" not in cfg.run.output_dir:
-            local, run = Path(c.local_dir.replace("{process}", "0")).resolve(), Path(cfg.run.output_dir).resolve()
-            if local == run or run in local.parents:
-                raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' is inside run.output_dir: the local tier "
-                                  "belongs on node-local storage, not in the shared run directory")
-    if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
-    if cfg.optim.decay_steps is not None and cfg.optim.decay_steps < 1:
-        raise ConfigError(f"config key 'optim.decay_steps' must be >= 1 (null = train.steps), got {cfg.optim.decay_steps}")
-    allowed = cfg.run.allow_changes
-    if isinstance(allowed, str) and allowed != "all":
-        raise ConfigError(f"config key 'run.allow_changes' must be a list of dotted keys or `all`, got '{allowed}'")
-    for key in (allowed if isinstance(allowed, list) else []):
-        if key != "all" and key not in all_keys():
-            raise ConfigError(f"run.allow_changes names {_unknown_key(str(key))}")
-
-
-def validate_moe(cfg: Config) -> None:
-    """The mixture-of-experts keys (model.num_experts > 0; docs/moe.md)."""
-    m = cfg.model
-    if m.num_experts < 0:
-        raise ConfigError(f"model.num_experts={m.num_experts} must be >= 0 (0 = dense MLPs)")
-    if m.num_experts == 0:
-        if cfg.mesh.expert > 1:
-            raise ConfigError(f"mesh.expert={cfg.mesh.expert} needs a mixture of experts (model.num_experts > 0)")
-        return
-    if not 1 <= m.experts_per_token <= m.num_experts:
-        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
-                          f"model.num_experts={m.num_experts}")
-    if m.moe_mlp_dim < 0 or m.num_shared_experts < 0:
-        raise ConfigError("model.moe_mlp_dim and model.num_shared_experts must be >= 0")
-    if not 0 <= m.first_dense_layers < m.num_layers:
-        raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} must be within [0, model.num_layers="
-                          f"{m.num_layers}): at least one layer must be MoE")
-    after = m.num_layers - m.first_dense_layers
-    if m.moe_every < 1 or after % m.moe_every:
-        raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1 and divide the {after} layers after "
-                          f"model.first_dense_layers={m.first_dense_layers} (groups of moe_every - 1 dense layers "
-                          "and one MoE layer)")
-    for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
-        if not getattr(m, key) >= 0:
-            raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(m, key)}")
+    if c.local_every_steps > 0 and c.local_dir is not None and "://" not in cfg.run.output_dir:
+        local, run = Path(c.local_dir.replace("{process}", "0")).resolve(), Path(cfg.run.output_dir).resolve()
+        if local == run or run in local.parents:
+            raise ConfigError(f"checkpoint.local_dir='{c.local_dir}' is inside run.output_dir: the local tier "
+                              "belongs on node-local storage, not in the shared run directory")
 
 
 def validate_pipeline(cfg: Config, stages: int) -> None:

@@ -45,7 +45,7 @@ def test_fixed_keys_exist():
 
 
 def test_cli_verbs_exist():
-    from jaxtrain.cli import COMMANDS
+    from jaxtrain.commands.cli import COMMANDS
     assert FIXED_VERBS <= set(COMMANDS)
 
 
@@ -87,7 +87,7 @@ def test_phase1_errors_name_the_problem(overrides, message):
 
 
 def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -169,15 +169,15 @@ def test_inspect_works_from_shapes_alone_without_data(tmp_path):
 
 
 def test_cpu_runs_get_the_fast_xla_cpu_flags_unless_the_user_set_them(monkeypatch):
-    from jaxtrain import cli
+    from jaxtrain.commands import startup
     from jaxtrain.runtime.xla_cpu import YNN_FUSIONS, cpu_xla_flags
     assert YNN_FUSIONS in cpu_xla_flags()  # this machine's jaxlib is one the flags were checked with
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
-    cli._set_cpu_flags(cpu_devices=2)
+    startup.set_cpu_flags(cpu_devices=2)
     flags = os.environ["XLA_FLAGS"].split()
     assert flags[0] == "--xla_cpu_experimental_ynn_fusion_type=dot" and YNN_FUSIONS not in flags  # the user's wins
     monkeypatch.setenv("XLA_FLAGS", "")
-    cli._set_cpu_flags(cpu_devices=2)
+    startup.set_cpu_flags(cpu_devices=2)
     assert YNN_FUSIONS in os.environ["XLA_FLAGS"].split()
 
 

@@ -175,11 +175,11 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
     """
     from jaxtrain.model.attention import resolve_attention
     from jaxtrain.observe.throughput import flops_per_step
-    from jaxtrain.parallel.mesh import axis_crossings, build_mesh, validate_against_devices
+    from jaxtrain.parallel.mesh import axis_crossings, build_mesh, slice_count, validate_against_devices
     from jaxtrain.train.state import build_layout
 
     devices = list(devices) if devices is not None else jax.devices()
-    sizes = validate_against_devices(cfg, len(devices), jax.process_count())
+    sizes = validate_against_devices(cfg, len(devices), jax.process_count(), num_slices=slice_count(devices))
     attention = resolve_attention(cfg, devices[0].platform, sizes)
     mesh = build_mesh(cfg.mesh, devices)
     layout = build_layout(cfg, mesh)

@@ -28,7 +28,7 @@ this module takes the two block functions as arguments and imports no kernel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
