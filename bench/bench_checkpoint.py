@@ -60,9 +60,9 @@ def main(argv: list[str]) -> int:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxtrain.checkpoint.checkpointer import Checkpointer
-    from jaxtrain.config import CheckpointConfig
+    from jaxtrain.config import MESH_AXES, CheckpointConfig
 
-    mesh = jax.make_mesh((1, 1, args.devices, 1), ("data", "stage", "fsdp", "tensor"))
+    mesh = jax.make_mesh(tuple(args.devices if a == "fsdp" else 1 for a in MESH_AXES), MESH_AXES)
     rows, cols = 1024, 6144  # 25.2 MB per float32 array
     n_arrays = max(1, round(args.mb * 1e6 / (rows * cols * 4) + 0.499))
     sharded = NamedSharding(mesh, P("fsdp", None))

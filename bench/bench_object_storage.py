@@ -47,10 +47,10 @@ def main(argv: list[str]) -> int:
 
     from bench_checkpoint import machine
     from jaxtrain.checkpoint.checkpointer import Checkpointer
-    from jaxtrain.config import CheckpointConfig
+    from jaxtrain.config import MESH_AXES, CheckpointConfig
     from storage_servers import storage_servers
 
-    mesh = jax.make_mesh((1, 1, 1, 1), ("data", "stage", "fsdp", "tensor"))
+    mesh = jax.make_mesh((1,) * len(MESH_AXES), MESH_AXES)
     rows, cols = 1024, 6144  # 25.2 MB per float32 array, as bench_checkpoint.py
     n_arrays = max(1, round(args.mb * 1e6 / (rows * cols * 4) + 0.499))
     sharded, replicated = NamedSharding(mesh, P("fsdp", None)), NamedSharding(mesh, P())

@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxtrain import __version__
 from jaxtrain.runtime import env, host_malloc
-from jaxtrain.checkpoint.checkpointer import Checkpointer, restore_params_only
+from jaxtrain.checkpoint.checkpointer import CheckpointError, Checkpointer, CheckpointTier, restore_params_only
 from jaxtrain.runtime.compilation_cache import enable_compilation_cache
 from jaxtrain.checkpoint.checkpointer import restore_latest_read_only
 from jaxtrain.runtime.compilation_cache import last_compile_s, shared_cache_run_dir
@@ -45,6 +44,7 @@ from jaxtrain.storage.paths import is_remote, join
 from jaxtrain.storage.object_store import check_access
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.data import build_train_data
+from jaxtrain.data.pipeline import TrainData
 from jaxtrain.runtime.exit_codes import EXIT_HUMAN, EXIT_OK, EXIT_RESTART
 from jaxtrain.fault.chaos import Chaos
 from jaxtrain.fault.preemption import HostSync, StopSignals, agree_on_startup_stop
@@ -55,16 +55,20 @@ from jaxtrain.fault.watchdog import Watchdog
 from jaxtrain.model.attention import resolve_attention
 from jaxtrain.model.llama import Transformer
 from jaxtrain.observe.profiling import StepProfiler
+from jaxtrain.observe.console import install_stderr_logging
 from jaxtrain.observe.health import Health
 from jaxtrain.observe.nvml import Nvml
 from jaxtrain.observe.prometheus import Exporter, local_index
-from jaxtrain.observe.runlog import RunLog
+from jaxtrain.observe.runlog import Events, RunLog, split_event
 from jaxtrain.observe.throughput import Throughput, flops_per_step, peak_flops_per_device
 from jaxtrain.parallel import context, pipeline
-from jaxtrain.parallel.mesh import build_mesh, validate_against_devices
+from jaxtrain.parallel.mesh import build_mesh, slice_count, validate_against_devices
 from jaxtrain.parallel.sharding import global_batch, process_rows
+from jaxtrain.infer.loading import tokenizer_of
+from jaxtrain.infer.samples import TrainingSamples
 from jaxtrain.train.config_changes import check_resume
 from jaxtrain.train.evaluation import EvalResult, Evaluator, PendingEval
+from jaxtrain.train.precision import compute_dtype
 from jaxtrain.train.rollback import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
 from jaxtrain.train.state import State, build_layout
 from jaxtrain.train.step import BATCH_KEYS
@@ -129,6 +133,7 @@ class Trainer:
         # First of all: a SIGTERM during start-up (restore, preflight, the first compile) must be
         # read, not taken by JAX's own handler and lost (fit() acts on it before the first step).
         self.signals = StopSignals().install()
+        install_stderr_logging()  # the drills' notices and the library's warnings reach a notebook too
         try:
             self._build(cfg, console=console, write_files=write_files, devices=devices, started_at=started_at)
         except BaseException:
@@ -149,7 +154,8 @@ class Trainer:
         devices = list(devices) if devices is not None else jax.devices()
         # Phase-2 validation: needs the devices and processes, runs before anything is written.
         self.mesh_sizes = validate_against_devices(cfg, len(devices), self.process_count,
-                                                   under_launcher=env.launcher_slot() is not None)
+                                                   under_launcher=env.launcher_slot() is not None,
+                                                   num_slices=slice_count(devices))
         self.attention = resolve_attention(cfg, devices[0].platform, self.mesh_sizes)
         if write_files:
             check_run_paths(cfg)
@@ -158,16 +164,19 @@ class Trainer:
         self.rules, self.graphdef, self.logical = cfg.mesh.rules, self.layout.graphdef, self.layout.logical
         self.num_params = self.layout.num_params
         self.evaluator = Evaluator(cfg, self.layout, self.process_index, self.process_count)
-        self.chaos = Chaos(cfg, self.process_index, self._event, attempt=env.restart_attempt(),
+        self.samples = (TrainingSamples(cfg, self.mesh, tokenizer_of(cfg), compute_dtype(cfg))
+                        if cfg.train.sample_every else None)
+        # Every event of the run, the `on_event` of each capability: kept until the log and the
+        # exporter exist, then written to both (observe/runlog.py `Events`).
+        self.events = Events()
+        self.chaos = Chaos(cfg, self.process_index, self.events, attempt=env.restart_attempt(),
                            slot=env.launcher_slot())
-        self._queued_events: list[tuple[str, int, dict]] = []  # events raised before the log exists
-        self._events_before_exporter: list[tuple[str, int, dict]] = []  # and before the exporter exists
         self.log: RunLog | None = None
         self.exporter: Exporter | None = None  # observe.prometheus_*: built once the sources exist
 
         # Data next: a missing or bad corpus is a user error and must stop us before any file is written.
         self.rows = process_rows(self.mesh, self.rules, cfg.data.global_batch_size, self.process_index)
-        self.data = build_train_data(cfg, self.process_index, self.process_count, rows=self.rows)
+        self.data: TrainData = build_train_data(cfg, self.process_index, self.process_count, rows=self.rows)
         self.compiled_step = None  # compiled on first use (see _compile)
 
         # Restore or init. Every process takes the same path of collective calls whatever the
@@ -187,7 +196,7 @@ class Trainer:
         self.evaluator.on_progress = self.watchdog.progress
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
-        self.guard = SpikeGuard(cfg, self._event)
+        self.guard = SpikeGuard(cfg, self.events)
         try:
             self.chaos.at_start()
             self.hosts = job_hosts(self.process_index, self.process_count, host=env.host_name())
@@ -200,9 +209,8 @@ class Trainer:
         # Only now, with every user error behind us, does anything reach the disk.
         self.log = RunLog(str(self.output_dir), console=console, enabled=self.process_index == 0 and write_files)
         self.log.write_config(cfg)
-        for kind, step, details in self._queued_events:
-            self.log.event(kind, step, **details)
-        self._queued_events = []
+        log = self.log
+        self.events.attach(lambda event: log.event(**event))  # the events so far first
 
         self._host_step = self.step_count  # the host's count, so it never has to read the device's step
         # Measured peaks are kept per machine (env.peak_cache_file): runs there get comparable MFU.
@@ -213,7 +221,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.train.profile_steps, join(self.output_dir, "profile"), cfg.train.steps,
                                      enabled=self.process_index == 0 and write_files)
         self.stragglers = Stragglers(cfg.fault, self.mesh, self.process_index, self.process_count, self.hosts,
-                                     self._event)
+                                     self.events)
         self.health = self._make_health(cfg)
         o = cfg.observe  # live metrics for Prometheus (observe/prometheus.py): host-side values only
         self.exporter = Exporter(port=o.prometheus_port, addr=o.prometheus_addr, textfile=o.prometheus_textfile,
@@ -223,9 +231,8 @@ class Trainer:
                                  rollbacks=self.rollbacks, stragglers=self.stragglers, devices=self.mesh.local_devices,
                                  checkpoint_every=(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes),
                                  health=self.health).start()
-        for kind, step, details in self._events_before_exporter:  # restore, checkpoint_damaged, ...
-            self.exporter.on_event(kind, step, details)
-        self._events_before_exporter = []
+        exporter = self.exporter  # the events so far (restore, checkpoint_damaged, ...) first; no sink follows
+        self.events.attach(lambda event: exporter.on_event(*split_event(event)), last=True)
         # The split of the profiled steps, summarized off the loop once the trace is written (only
         # when someone reads it: the summary costs host time).
         self.profiler.on_summary = self.exporter.on_profile if self.exporter.enabled else None
@@ -246,16 +253,16 @@ class Trainer:
         raised before anything is written."""
         cfg = self.cfg
         checkpoint_dir = join(self.output_dir, "checkpoints")
-        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self._event) if write_files else None
+        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self.events) if write_files else None
         record = RollbackLog(checkpoint_dir, primary=self.process_index == 0,
                              agree=self.checkpointer.agree) if write_files else None
-        self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self._event, guard=self.guard)
+        self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self.events, guard=self.guard)
         self.rollbacks.finish_interrupted()
         self.resumed_from: int | None = None
         self._config_checked = False  # the stored config is compared once, before the first restore
         latest = self.checkpointer.latest_step() if self.checkpointer is not None else None
         # checkpoint.local_every_steps: the local tier, restored first when newer (checkpoint/local_tier.py)
-        self.local = (LocalTier(cfg.checkpoint, self.output_dir, on_event=self._event)
+        self.local = (LocalTier(cfg.checkpoint, self.output_dir, on_event=self.events)
                       if write_files and cfg.checkpoint.local_every_steps > 0 else None)
         self.resume_source: str | None = None
         if self.local is not None and self._restore_local(latest):
@@ -265,16 +272,14 @@ class Trainer:
         if latest is not None:
             self._check_config_changes(latest, latest)
             with self.watchdog.phase("checkpoint"):  # a restore gets the checkpoint deadline, not start-up's
-                self.state, extra = self.checkpointer.restore(latest, self.abstract_state())
-            self.data.set_state(extra["data"])
-            self.resumed_from = latest
-            self.resume_source = "persistent"
+                self._restore_from(self.checkpointer, latest)
+            self.resumed_from, self.resume_source = latest, "persistent"
         else:
             self.state = self.layout.init()
             if cfg.checkpoint.init_from:
                 params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
                 self.state = {**self.state, "params": params}
-                self._event("init_from", 0, path=cfg.checkpoint.init_from)
+                self.events("init_from", 0, path=cfg.checkpoint.init_from)
 
     def _restore_read_only(self, checkpoint_dir: str) -> bool:
         """write_files=False on a trained run directory: its newest good checkpoint, read without
@@ -287,7 +292,7 @@ class Trainer:
         self.resumed_from, self.state, extra = found
         self.data.set_state(extra["data"])
         self.resume_source = "persistent"
-        self._event("restore_read_only", self.resumed_from, path=checkpoint_dir)
+        self.events("restore_read_only", self.resumed_from, path=checkpoint_dir)
         return True
 
     def _restore_local(self, persistent: int | None) -> bool:
@@ -297,15 +302,21 @@ class Trainer:
             plan, reason = self.local.plan(persistent, self.abstract_state())
             if plan is not None:
                 self._check_config_changes(plan.step, persistent)
-                state, extra, reason = self.local.restore(plan, self.abstract_state())
-                if state is not None:
-                    self.state = state
-                    self.data.set_state(extra["data"])
+                try:
+                    self._restore_from(self.local, plan.step)
+                except CheckpointError as e:  # some process could not: every process falls back
+                    reason = str(e)
+                else:
                     self.resumed_from, self.resume_source = plan.step, plan.source
                     return True
         if reason != "no local checkpoints":
-            self._event("local_tier_fallback", persistent or 0, reason=reason, persistent_step=persistent)
+            self.events("local_tier_fallback", persistent or 0, reason=reason, persistent_step=persistent)
         return False
+
+    def _restore_from(self, tier: CheckpointTier, step: int) -> None:
+        """The state and the data position of checkpoint `step` of `tier` (a restart, a rollback)."""
+        self.state, extra = tier.restore(step, self.abstract_state())
+        self.data.set_state(extra["data"])
 
     def _check_config_changes(self, step: int, persistent: int | None) -> None:
         """Before the first restore of this run's own checkpoint `step`: a change of what was already
@@ -318,7 +329,7 @@ class Trainer:
         changed = check_resume(self.cfg, join(self.output_dir, "checkpoints"), step, persistent=persistent,
                                agree=self.checkpointer.agree)
         if changed is not None:
-            self._event("config_changed", step, **changed)
+            self.events("config_changed", step, **changed)
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state, without allocating it."""
@@ -336,17 +347,6 @@ class Trainer:
     def optimizer(self):
         return self.layout.optimizer
 
-    def _event(self, kind: str, step: int, **details: Any) -> None:
-        """Every event of the run: events.jsonl (process 0) and the exporter's count by kind."""
-        if self.exporter is not None:
-            self.exporter.on_event(kind, step, details)
-        else:
-            self._events_before_exporter.append((kind, step, details))
-        if self.log is None:
-            self._queued_events.append((kind, step, details))
-        else:
-            self.log.event(kind, step, **details)
-
     def _compile(self) -> None:
         """Compile the train step once, ahead of time, with explicit shardings and donated state.
 
@@ -357,9 +357,9 @@ class Trainer:
         with self.watchdog.compiling(last_compile_s(self._cache_dir)):
             t = time.perf_counter()
             marks = self.step_marks
-            self.lowered_step = self.layout.lower_train_step(
+            lowered = self.layout.lower_train_step(
                 None if marks is None else lambda fn: with_step_marks(fn, self.mesh, marks))
-            self.compiled_step = self.lowered_step.compile()
+            self.compiled_step = lowered.compile()
             self.compile_s = time.perf_counter() - t
 
     # ------------------------------------------------------------------ stepping
@@ -372,17 +372,15 @@ class Trainer:
         """Queue one step on the device (and its evaluation, if due, on the parameters it produces)."""
         if self.compiled_step is None:
             self._compile()
-        position = self.data.position
-        batch_index = position if self.layout.chaos_drills else None
-        local = self.chaos.corrupt(position, self._host_step + 1, next(self.data), self.cfg.model.vocab_size)
-        wait = float(getattr(self.data, "last_wait_s", 0.0))
+        position, step = self.data.position, self._host_step + 1
+        local = self.chaos.corrupt(position, step, next(self.data), self.cfg.model.vocab_size)
+        wait = float(self.data.last_wait_s)
         batch = global_batch({k: local[k] for k in BATCH_KEYS}, self.mesh, self.rules,
                              self.cfg.data.global_batch_size)
-        if batch_index is not None:
-            factor = np.float32(self.chaos.batch_factor(batch_index, self._host_step + 1))
-            batch["chaos"] = jax.make_array_from_callback((), self.layout.replicated, lambda _: factor)
+        # The numerics drills' loss factor (NaN, spike_factor or 1): an input of the step, never a recompile.
+        chaos = self.layout.chaos_factor(self.chaos.batch_factor(position, step) if self.layout.chaos_drills else 1.0)
         with self._waiting():  # a full queue or a collective can block the dispatch itself
-            self.state, metrics = self.compiled_step(self.state, batch)
+            self.state, metrics = self.compiled_step(self.state, batch, chaos)
         self._host_step += 1
         self._data_wait_since_log += wait
         # Queued before the next step donates this state: eval_loss at step N is of step N's parameters.
@@ -392,7 +390,21 @@ class Trainer:
             with self._waiting():
                 evaluation = self.evaluator.dispatch(self.state["params"], router_bias=self._router_bias())
             eval_s = time.perf_counter() - t
+        if self.samples is not None and self.samples.due(self._host_step):
+            self._write_samples(self._host_step)
         return _Pending(self._host_step, metrics, wait, evaluation, eval_s, batch=position)
+
+    def _write_samples(self, step: int) -> None:
+        """train.sample_every: the prompts continued by this step's parameters, into events.jsonl
+        (`samples`) and TensorBoard's text tab. Host-synchronous (a periodic look, like a log line);
+        the step's time leaves the throughput figures."""
+        with self._waiting():
+            samples = self.samples.run(step, self.state["params"], self._router_bias())
+        self.events("samples", step, samples=samples)
+        self.log.texts(step, {f"samples/{i}": s["prompt"] + (s["text"] if s["text"] is not None else
+                                                           " ".join(map(str, s["tokens"])))
+                              for i, s in enumerate(samples)})
+        self.throughput.exclude(step)
 
     def _values(self, pending: _Pending) -> dict:
         """A finished step's metrics as Python values (a host sync on that step, which the loop
@@ -519,10 +531,10 @@ class Trainer:
             # A spent rollback budget would hit the same wall after a restart: "a human is needed" (78),
             # which every recipe treats like a user error; a preemption asks to be restarted (75).
             code = EXIT_HUMAN if stop == "rollback_limit" else EXIT_RESTART
-            self._event(stop, self._host_step, exit_code=code, skipped_steps=skipped, **self._stop_details)
+            self.events(stop, self._host_step, exit_code=code, skipped_steps=skipped, **self._stop_details)
             return {"step": self._host_step, "exit_code": code}
         details = {"stragglers": dict(self.stragglers.reports)} if self.process_count > 1 else {}
-        self._event("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks), **details)
+        self.events("done", self._host_step, skipped_steps=skipped, rollbacks=len(self.rollbacks), **details)
         return {"step": self._host_step, "exit_code": EXIT_OK}
 
     def _iteration(self) -> str | None:
@@ -546,7 +558,7 @@ class Trainer:
         self.chaos.after_step(step, self.state)
         if self.signals.requested and not self.signals.reported:
             self.signals.reported = True
-            self._event("signal", step, signal=self.signals.requested)
+            self.events("signal", step, signal=self.signals.requested)
         time_due = self.checkpointer is not None and self.checkpointer.time_due()
         with self._waiting():  # the agreement, and a save's barriers and all-finite check, wait on peers
             decision = self.host_sync.poll(step, self.signals.requested is not None, time_due)
@@ -573,9 +585,9 @@ class Trainer:
         if not asked:
             return False
         self.signals.reported = True
-        self._event("signal", self._host_step, signal=next(iter(asked.values())), processes=sorted(asked),
-                       before_first_step=True)
-        self._event("preempted", self._host_step, exit_code=EXIT_RESTART, before_first_step=True)
+        self.events("signal", self._host_step, signal=next(iter(asked.values())), processes=sorted(asked),
+                    before_first_step=True)
+        self.events("preempted", self._host_step, exit_code=EXIT_RESTART, before_first_step=True)
         print(f"jaxtrain: asked to stop during start-up ({', '.join(f'process {p}: {v}' for p, v in asked.items())}); "
               "exiting 75 before the first step", file=sys.stderr, flush=True)
         return True
@@ -585,16 +597,16 @@ class Trainer:
         local devices and, where asked and NVML answers, the GPU counters."""
         f = cfg.fault
         if f.health_every_steps <= 0:
-            return Health(0, self._event)
+            return Health(0, self.events)
         gpus, note = None, ""
         platform = self.mesh.local_devices[0].platform
         if f.health_nvml == "always" or (f.health_nvml == "auto" and platform == "gpu"):
             gpus, note = Nvml.open()
-        health = Health(f.health_every_steps, self._event,
+        health = Health(f.health_every_steps, self.events,
                         disk_path=None if is_remote(self.output_dir) else str(self.output_dir),
                         matmul=local_matmul_check(list(self.mesh.local_devices)), gpus=gpus,
                         gpu_note=f"GPU counters off: {note}" if note else "")
-        if getattr(self, "local", None) is not None:  # built by the restore, before the health check
+        if self.local is not None:  # built by the restore, before the health check
             health.local_disk_path = str(self.local.root)  # node-local storage filling up
         return health
 
@@ -603,28 +615,27 @@ class Trainer:
         if not (self.cfg.fault.preflight and self.process_count > 1):
             return True
         with self.watchdog.phase("startup"):
-            report = run_preflight(self.cfg, self.mesh, self.hosts, self._event)  # counted by the exporter too
+            report = run_preflight(self.cfg, self.mesh, self.hosts, self.events)  # counted by the exporter too
         self.exporter.on_preflight(report)  # the report is plain Python: no device on the scrape thread
         self.health.matmul_preflight = report["matmul_tflops"][self.process_index]
         if report["named"] and self.cfg.fault.preflight_action == "exit":
-            self._event("preflight_failed", self._host_step, named=report["named"], hosts=report["named_hosts"],
-                           exit_code=EXIT_RESTART)
+            self.events("preflight_failed", self._host_step, named=report["named"], hosts=report["named_hosts"],
+                        exit_code=EXIT_RESTART)
             return False
         return True
 
     def _log_start(self) -> None:
         self._fit_start = self._host_step
-        self._event("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
-                       hosts=self.hosts, mesh=self.mesh_sizes, pipeline=pipeline.describe(self.cfg, self.mesh_sizes),
-                       context=context.describe(self.cfg, self.mesh_sizes),
-                       params=self.num_params, attention=self.attention,
-                       compile_s=round(self.compile_s, 3), started_at=self._started_at,
-                       train_steps=self.cfg.train.steps,
-                       entropy_floor=getattr(self.data, "entropy_floor", None),
-                       peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
-                       # what XLA was started with (`jaxtrain train` adds jaxtrain/runtime/xla_cpu.py's on the CPU)
-                       xla_flags=os.environ.get("XLA_FLAGS", "").split(), host_malloc=host_malloc.applied(),
-                       **self._moe_start())
+        self.events("start", self._host_step, devices=self.mesh.size, processes=self.process_count,
+                    hosts=self.hosts, mesh=self.mesh_sizes, pipeline=pipeline.describe(self.cfg, self.mesh_sizes),
+                    context=context.describe(self.cfg, self.mesh_sizes),
+                    params=self.num_params, attention=self.attention,
+                    compile_s=round(self.compile_s, 3), started_at=self._started_at,
+                    train_steps=self.cfg.train.steps, entropy_floor=self.data.entropy_floor,
+                    peak_flops_per_device=self.peak_flops, peak_source=self.peak_source, version=__version__,
+                    # what XLA was started with (`jaxtrain train` adds jaxtrain/runtime/xla_cpu.py's on the CPU)
+                    xla_flags=os.environ.get("XLA_FLAGS", "").split(), host_malloc=host_malloc.applied(),
+                    **self._moe_start())
         self.throughput.restart(self._host_step)
 
     def _router_bias(self):
@@ -673,40 +684,43 @@ class Trainer:
         with self.watchdog.phase("checkpoint"):
             # Restored before the rollback is recorded: the record needs the target's data position.
             # Nothing is discarded yet, so dying here only means the same rollback next time.
-            self.state, extra = self.checkpointer.restore(plan.to_step, self.abstract_state())
-            self.data.set_state(extra["data"])
+            self._restore_from(self.checkpointer, plan.to_step)
             record, discarded = self.rollbacks.commit(plan, data_from=self.data.position)
         self._host_step = plan.to_step
         if self.local is not None:  # no local step after the rollback's target may win a restart
             self.local.discard_after(plan.to_step)
         self.guard.reset()
         self._resume_guard()
-        self._event("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
-                       batches_skipped=record["skip_batches"], data_from=record["data_from"],
-                       data_to=record["data_to"], spike_steps=list(plan.spike_steps),
-                       spike_batches=list(plan.spike_batches), discarded_checkpoints=discarded,
-                       rollbacks=len(self.rollbacks))
+        self.events("rollback", plan.at_step, from_step=plan.at_step, to_step=plan.to_step,
+                    batches_skipped=record["skip_batches"], data_from=record["data_from"],
+                    data_to=record["data_to"], spike_steps=list(plan.spike_steps),
+                    spike_batches=list(plan.spike_batches), discarded_checkpoints=discarded,
+                    rollbacks=len(self.rollbacks))
         self.throughput.exclude(plan.to_step)
         return True
 
     def _report_resume(self) -> None:
         jax.block_until_ready(self.state)  # once: the restart is only over when a step has run
         source = {} if self.local is None else {"source": self.resume_source}  # local, peer or persistent
-        self._event("resume", self.resumed_from, restored_step=self.resumed_from,
-                       restart_to_first_step_s=round(time.time() - self._started_at, 3),
-                       compile_s=round(self.compile_s, 3), **source)
+        self.events("resume", self.resumed_from, restored_step=self.resumed_from,
+                    restart_to_first_step_s=round(time.time() - self._started_at, 3),
+                    compile_s=round(self.compile_s, 3), **source)
 
     def _maybe_save(self, step: int, *, last: bool, time_due: bool = False, force: bool = False) -> None:
+        """The persistent tier when it is due (or `force`d), else the local tier when due: never both."""
         if self.checkpointer is None:
             return
+        tier: CheckpointTier
         if force or self.checkpointer.should_save(step, last=last, time_due=time_due):
-            extra = {"data": self.data.get_state(), "config": self.cfg.to_dict(),
-                     "metadata": {"time": time.time(), "mesh": self.mesh_sizes, "processes": self.process_count,
-                                  "version": __version__}}
-            self.checkpointer.save(step, self.state, json.loads(json.dumps(extra, default=_plain)))
-        elif self.local is not None and not last and self.local.due(step):
-            # The local tier: never at a step the persistent tier saves (or at the end, which it saves).
-            self.local.save(step, self.state, {"data": json.loads(json.dumps(self.data.get_state(), default=_plain))})
+            tier, extra = self.checkpointer, {
+                "data": self.data.get_state(), "config": self.cfg.to_dict(),
+                "metadata": {"time": time.time(), "mesh": self.mesh_sizes, "processes": self.process_count,
+                             "version": __version__}}
+        elif self.local is not None and self.local.should_save(step, last=last):
+            tier, extra = self.local, {"data": self.data.get_state()}  # the rest of the host state is in the arrays
+        else:
+            return
+        tier.save(step, self.state, json.loads(json.dumps(extra, default=_plain)))
 
     def save(self) -> None:
         """Checkpoint the current state now (notebooks) and wait until it is committed."""
@@ -721,17 +735,15 @@ class Trainer:
         Only after a normal end: its barriers wait for every process. After an exception, abort()."""
         self.signals.restore()
         self.watchdog.stop()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-            self.checkpointer = None
-        if getattr(self, "local", None) is not None:
-            self.local.close()
+        for tier in (self.checkpointer, self.local):
+            if tier is not None:
+                tier.close()
+        self.checkpointer = None
         self.profiler.close()  # a trace still running stopped; a summary being computed reaches the exporter
         if self.exporter is not None:
             self.exporter.close()
         self.health.close()
-        if hasattr(self.data, "close"):
-            self.data.close()
+        self.data.close()
         if self.log is not None:
             self.log.close()
 
@@ -755,8 +767,7 @@ class Trainer:
                     checkpointer.__exit__(RuntimeError, None, None)  # its failing exit: no barrier
                 elif checkpointer is not None:
                     checkpointer.close()
-                if hasattr(self.data, "close"):
-                    self.data.close()
+                self.data.close()
                 if self.log is not None:
                     self.log.close()
             except BaseException as e:  # noqa: BLE001 -- the error being handled is the one to report

@@ -64,7 +64,7 @@ def jaxtrain_train():
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS",
                                                                  "JAXTRAIN_RESTART_ATTEMPT")}
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
-        return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", *args], cwd=cwd, env=env,
+        return subprocess.run([sys.executable, "-m", "jaxtrain", "train", *args], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout)
     return run
 

@@ -30,10 +30,13 @@ def free_port() -> int:
 
 
 def mesh_of(*, axes: tuple[str, ...] | None = None, devices=None, **sizes):
-    """`jax.make_mesh` over `axes` (jaxtrain's AXES by default), each axis `sizes.get(axis, 1)`
-    long, on the first devices of `devices` (default jax.devices())."""
+    """A mesh over `axes` (jaxtrain's AXES by default), each axis `sizes.get(axis, 1)` long, on the
+    first devices of `devices` (default jax.devices()), in order. Its axes are Auto, as the mesh
+    `jaxtrain.parallel.mesh.build_mesh` makes (`jax.make_mesh` would make them Explicit, under which
+    shard_map and sharding checks differ from a real run's)."""
     import jax
     import numpy as np
+    from jax.sharding import Mesh
 
     if axes is None:
         from jaxtrain.parallel.mesh_shape import AXES as axes
@@ -41,7 +44,7 @@ def mesh_of(*, axes: tuple[str, ...] | None = None, devices=None, **sizes):
     assert not unknown, f"mesh_of: no axis {sorted(unknown)} in {axes}"
     shape = tuple(sizes.get(a, 1) for a in axes)
     devices = list(devices if devices is not None else jax.devices())[:int(np.prod(shape))]
-    return jax.make_mesh(shape, axes, devices=devices)
+    return Mesh(np.array(devices).reshape(shape), axes)
 
 
 def pack_at(batch: dict, bounds: tuple[int, ...]) -> dict:

@@ -19,7 +19,7 @@ MOE_TINY = REPO / "configs/moe-tiny.yaml"
 
 
 def jaxtrain(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
 
 

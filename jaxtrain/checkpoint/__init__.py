@@ -12,7 +12,7 @@ this package has no facade, so importing it costs nothing.
 The trainer owns one `Checkpointer` per run directory and calls it from every process, in the
 same order (each method is collective):
 
-    ckpt = Checkpointer(run_dir + "/checkpoints", cfg.checkpoint, on_event=events.write)
+    ckpt = Checkpointer(run_dir + "/checkpoints", cfg.checkpoint, on_event=events)
     step = ckpt.latest_step()                    # newest GOOD checkpoint, or None
     if step is not None:
         state, extra = ckpt.restore(step, abstract_state)   # straight into these shardings

@@ -10,7 +10,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import jax
 import orbax.checkpoint as ocp
@@ -96,6 +96,41 @@ class _Deleter:
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or is not usable (damaged, failed background write)."""
+
+
+class CheckpointTier(Protocol):
+    """What the trainer asks of a checkpoint tier: the persistent `Checkpointer` (here) and the
+    node-local `jaxtrain.checkpoint.local_tier.LocalTier`. Every method but `should_save` is
+    collective: every process calls it, in the same order. Which step to restore is each tier's
+    own question: the persistent tier's `latest_step()` (its newest good checkpoint), the local
+    tier's `plan()` (its newest step complete on every process and newer than the persistent one,
+    and where each process reads its part)."""
+
+    def should_save(self, step: int, *, last: bool = False, time_due: bool = False) -> bool:
+        """Whether this tier saves after `step` (`last`: the run's final step; `time_due`: a
+        time-based save agreed by every process). The same answer on every process."""
+        ...
+
+    def save(self, step: int, state: Any, extra: dict) -> Any:
+        """Start saving `state` (and the JSON `extra`) as `step`; returns once the caller may donate `state`."""
+        ...
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """(state, extra) of `step`, straight into the shardings of `abstract_state`.
+        Raises CheckpointError when the step cannot be restored."""
+        ...
+
+    def discard_after(self, step: int) -> Any:
+        """Delete this tier's steps newer than `step` (a rollback's target), so none wins a restart."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the save in flight is written."""
+        ...
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the tier's threads."""
+        ...
 
 
 def _key_name(k: Any) -> str:
@@ -606,12 +641,14 @@ def _restore_verdict(folder: epath.Path, abstract_state: Any) -> str:
     return "ok"
 
 
-def restore_params_only(path: str, abstract_params: Any) -> Any:
+def restore_params_only(path: str, abstract_params: Any, subtree: str = "params") -> Any:
     """Load only the parameters of another run's checkpoint (for `checkpoint.init_from`).
 
     Args:
       path: a `<step>/` folder, a `checkpoints/` folder or a run directory (latest good step).
       abstract_params: pytree of jax.ShapeDtypeStruct with shardings, like the model's params.
+      subtree: the state's entry to load: `params`, or another one shaped by `abstract_params`
+        (`moe`: the router bias decoding routes with).
     Returns:
       The parameters, sharded as asked.
     Raises:
@@ -622,11 +659,11 @@ def restore_params_only(path: str, abstract_params: Any) -> Any:
     good, reason, _ = check_checkpoint(folder)
     if not good:
         raise ConfigError(f"checkpoint.init_from='{path}': {folder} is damaged: {reason}")
-    _check_compatible(folder, abstract_params, prefix="params")
-    item = {"params": abstract_params}
+    _check_compatible(folder, abstract_params, prefix=subtree)
+    item = {subtree: abstract_params}
     restored = ocp.Checkpointer(_pytree_handler(folder)).restore(folder / "state", args=ocp.args.PyTreeRestore(
         item, ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    return restored["params"]
+    return restored[subtree]
 
 
 def restore_latest_read_only(checkpoint_dir: str, abstract_state: Any) -> tuple[int, Any, dict] | None:

@@ -40,8 +40,8 @@ steps committed in its folder (own and replicas held) through the coordination s
 picks the newest step committed for every process (own copy or a peer's) and newer than the newest
 persistent checkpoint, and says where each process reads it. Each process checks the manifest
 against its shardings, reads its chunks, verifies each crc32 and builds its arrays with
-`jax.make_array_from_single_device_arrays`; a failure on any process makes every process return
-None (the caller restores the persistent tier).
+`jax.make_array_from_single_device_arrays`; a failure on any process makes every process raise
+CheckpointError (the caller restores the persistent tier).
 
 Orbax's `experimental.emergency` CheckpointManager is not used: it is built around replica groups
 across slices (a persistent checkpoint of one replica, local ones of the others, restored by
@@ -57,6 +57,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -71,8 +72,10 @@ import jax
 import numpy as np
 
 from jaxtrain.checkpoint import replica_transfer
-from jaxtrain.checkpoint.checkpointer import mesh_shape
+from jaxtrain.checkpoint.checkpointer import CheckpointError, mesh_shape
 from jaxtrain.runtime.multihost import barrier, client as _client
+
+_log = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -144,8 +147,8 @@ class Plan:
 
 
 class LocalTier:
-    """One process's side of the local tier. Every method except `due` is called on every process,
-    in the same order; `plan` and `restore` are collective."""
+    """One process's side of the local tier, a `checkpointer.CheckpointTier`. Every method except
+    `should_save` is called on every process, in the same order; `plan` and `restore` are collective."""
 
     _instances = itertools.count()
 
@@ -163,6 +166,7 @@ class LocalTier:
         self.transfer = str(getattr(cfg, "local_transfer", "auto"))
         self.snapshot = str(getattr(cfg, "local_snapshot", "auto"))
         self._compiled_copy: Any = None
+        self._plan: Optional[Plan] = None  # the last plan(): where restore() reads each process's part
         self._on_event = on_event
         self._uid = next(LocalTier._instances)
         self._calls = itertools.count()
@@ -198,8 +202,10 @@ class LocalTier:
 
     # -- saving ---------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0
+    def should_save(self, step: int, *, last: bool = False, time_due: bool = False) -> bool:
+        """Every local_every_steps, never at the last step (the persistent tier saves the end).
+        `time_due` is the persistent tier's (checkpoint.every_minutes): not this tier's concern."""
+        return not last and self.every > 0 and step > 0 and step % self.every == 0
 
     def save(self, step: int, state: Any, extra: dict) -> float:
         """Take this process's shards of `state` and write them in the background. Returns the
@@ -341,10 +347,11 @@ class LocalTier:
             error, self._error = self._error, None
             if self._on_event is not None and self.index == 0:
                 self._on_event("local_checkpoint_failed", 0, error=f"{type(error).__name__}: {error}")
-            print(f"jaxtrain: a local checkpoint write failed on process {self.index}: "
-                  f"{type(error).__name__}: {error}", flush=True)
+            _log.error(f"a local checkpoint write failed on process {self.index}: "
+                       f"{type(error).__name__}: {error}")
 
     def wait(self) -> None:
+        """Block until the write in flight (own copy and replicas) is done."""
         self._join()
 
     def _settle(self, what: str) -> None:
@@ -466,11 +473,16 @@ class LocalTier:
         decision = json.loads(self._agree("plan", decide))
         if "step" not in decision:
             return None, decision["reason"]
-        return Plan(decision["step"], {int(p): v for p, v in decision["sources"].items()}), ""
+        self._plan = Plan(decision["step"], {int(p): v for p, v in decision["sources"].items()})
+        return self._plan, ""
 
-    def restore(self, plan: Plan, abstract_state: Any) -> tuple[Optional[Any], dict, str]:
-        """Rebuild this process's part of step `plan.step` (collective). Returns (state, extra, "")
-        or (None, {}, reason) on every process when any process could not."""
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Rebuild this process's part of `step`, read where the last `plan` said (collective).
+        Returns (state, extra); raises CheckpointError (the reason) on every process when any
+        process could not (the caller restores the persistent tier)."""
+        plan = self._plan
+        if plan is None or plan.step != step:
+            raise ValueError(f"LocalTier.restore({step}) needs plan() to have chosen step {step} first")
         source = plan.sources[self.index]
         holder = None if source == "own" else int(source[5:])
         folder = (self.mine if holder is None else
@@ -489,8 +501,8 @@ class LocalTier:
         verdicts = self._gather("verify", mine)
         verdict = self._agree("verdict", lambda: "; ".join(v for v in verdicts if v != "ok") or "ok")
         if verdict != "ok":
-            return None, {}, verdict
-        return state, extra, ""
+            raise CheckpointError(verdict)
+        return state, extra
 
     def _rebuild(self, manifest: bytes, blob: bytes | bytearray, where: str, step: int,
                  abstract_state: Any) -> tuple[Any, dict]:

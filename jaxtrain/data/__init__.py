@@ -6,7 +6,8 @@ rows of each global batch: a dict of numpy arrays, each [len(rows), seq_len]:
   loss_mask (float32, 0 where the target is padding or in another document).
 `rows` are the global rows its devices hold (`jaxtrain.parallel.sharding.process_rows`); without
 them process p reads the block [p*b, (p+1)*b), b = global_batch / process_count. The global batch
-is the same whatever the number of processes and the device order. Iterators expose `get_state()` / `set_state()` (JSON-able) for checkpoints,
+is the same whatever the number of processes and the device order. Iterators are `TrainData`
+(`pipeline.py`'s protocol, which the trainer calls): `get_state()` / `set_state()` (JSON-able) for checkpoints,
 `skip_batches(n)`, `reset()`, `close()` (stops background threads), `position` (global batches
 drawn so far: the index of the next one in the data order), `entropy_floor` (nats, or
 None when unknown), `last_wait_s` (seconds the last `next()` waited) and `num_batches` (global
@@ -25,7 +26,7 @@ from typing import Sequence
 from jaxtrain.config import Config
 from jaxtrain.data.markov import MarkovData
 from jaxtrain.data.packing import SequenceSource
-from jaxtrain.data.pipeline import PackedData
+from jaxtrain.data.pipeline import PackedData, TrainData
 from jaxtrain.data.sources import Corpus, open_text, open_tokens
 from jaxtrain.data.tokenizer import load_tokenizer
 
@@ -62,7 +63,8 @@ def _eval_corpus(cfg: Config) -> Corpus:
     return _eval_cache[cache_key]
 
 
-def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1, rows: Sequence[int] | None = None):
+def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1,
+                     rows: Sequence[int] | None = None) -> TrainData:
     """The training iterator for `cfg.data`, yielding this process's rows of each global batch.
 
     Args:

@@ -64,7 +64,8 @@ class MarkovChain:
 
 
 class MarkovData:
-    """Global batch at step s is a pure function of (data.seed, s): trivially resumable."""
+    """Global batch at step s is a pure function of (data.seed, s): trivially resumable. A
+    `jaxtrain.data.pipeline.TrainData`, like the packed sources."""
 
     def __init__(self, cfg: Config, process_index: int, process_count: int, *, stream: int = 0,
                  rows: Sequence[int] | None = None):

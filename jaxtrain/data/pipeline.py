@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import grain
 import numpy as np
@@ -33,6 +33,58 @@ import numpy as np
 from jaxtrain.config import ConfigError
 from jaxtrain.data.rows import process_rows_or_block
 from jaxtrain.data.packing import FIELDS, SequenceSource, padding_row
+
+
+@runtime_checkable
+class TrainData(Protocol):
+    """What the Trainer asks of a training data source (`build_train_data`: `PackedData` here,
+    `jaxtrain.data.markov.MarkovData`): an iterator of this process's rows of each global batch
+    (a dict of numpy arrays, `jaxtrain.train.step.BATCH_KEYS`, each [local rows, seq_len]), its
+    place in the data order and a JSON-able state for checkpoints."""
+
+    @property
+    def last_wait_s(self) -> float:
+        """Seconds the last `next()` waited for its batch (0 when prefetch kept up)."""
+        ...
+
+    @property
+    def entropy_floor(self) -> Optional[float]:
+        """The best loss the data allows, nats per token; None when unknown."""
+        ...
+
+    @property
+    def num_batches(self) -> Optional[int]:
+        """Global batches in one pass over the data; None when endless."""
+        ...
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]: ...
+
+    def __next__(self) -> dict[str, np.ndarray]: ...
+
+    @property
+    def position(self) -> int:
+        """Global batches drawn so far: the index of the next batch in the data order."""
+        ...
+
+    def get_state(self) -> dict:
+        """JSON-able position (for the checkpoint's extras)."""
+        ...
+
+    def set_state(self, state: dict) -> None:
+        """Continue from `state` (from `get_state`)."""
+        ...
+
+    def skip_batches(self, n: int) -> None:
+        """Skip the next `n` global batches (a rollback past a bad data window)."""
+        ...
+
+    def reset(self) -> None:
+        """Back to the first batch."""
+        ...
+
+    def close(self) -> None:
+        """Stop background threads (a later `next()` starts them again)."""
+        ...
 
 
 class _Holder:

@@ -17,9 +17,9 @@ itself with SIGSTOP after that step (every thread, the watchdog's heartbeat too)
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -28,6 +28,8 @@ import jax
 import numpy as np
 
 from jaxtrain.config import Config
+
+_log = logging.getLogger(__name__)  # the drills' notices: `jaxtrain: chaos....` lines (observe/console.py)
 
 CRASH_EXIT_CODE = 1  # what chaos.crash_process exits with: an ordinary crash, not "restart me"
 
@@ -55,8 +57,8 @@ class Chaos:
         collectives at different times. A bad node (`chaos.crash_process`, `crash_at_step=0`) crashes here."""
         c = self.cfg
         if c.start_delay_s > 0 and self.process_index == c.slow_process:
-            print(f"jaxtrain: chaos.start_delay_s: process {self.process_index} starts {c.start_delay_s:g} s late",
-                  file=sys.stderr, flush=True)  # also what tests wait for to signal a process in start-up
+            # The notice is also what tests wait for to signal a process in start-up.
+            _log.info(f"chaos.start_delay_s: process {self.process_index} starts {c.start_delay_s:g} s late")
             time.sleep(c.start_delay_s)
         if self.crashes and c.crash_at_step == 0:
             self._crash(0)
@@ -64,8 +66,8 @@ class Chaos:
     def _crash(self, step: int) -> None:
         """Exit at once with an ordinary crash code, on every attempt (`chaos.crash_process`)."""
         self.event("chaos", step, drill="crash", slot=self.slot, process=self.process_index, attempt=self.attempt)
-        print(f"jaxtrain: chaos.crash_process: slot {self.slot} (process {self.process_index}) crashes at step {step} "
-              f"(attempt {self.attempt})", file=sys.stderr, flush=True)
+        _log.info(f"chaos.crash_process: slot {self.slot} (process {self.process_index}) crashes at step {step} "
+                  f"(attempt {self.attempt})")
         os._exit(CRASH_EXIT_CODE)  # no cleanup, as a failing node gives none
 
     def batch_factor(self, batch_index: int, step: int) -> float:
@@ -115,15 +117,14 @@ class Chaos:
             # A bug or a failed call in the loop, while the other processes go on into the next
             # step's collectives: the error must reach the log and the process must end at once.
             self.event("chaos", step, drill="raise", process=self.process_index)
-            print(f"jaxtrain: chaos.raise_at_step: process {self.process_index} raises at step {step}",
-                  file=sys.stderr, flush=True)
+            _log.info(f"chaos.raise_at_step: process {self.process_index} raises at step {step}")
             raise RuntimeError(f"chaos.raise_at_step: injected error on process {self.process_index} at step {step}")
         if self.armed and step == c.hang_at_step and self.process_index == c.hang_process and not c.hang_in_step:
             jax.block_until_ready(state)
             if c.hang_freeze:
                 self.event("chaos", step, drill="freeze", process=self.process_index)
-                print(f"jaxtrain: chaos.hang_freeze: process {self.process_index} stops itself (SIGSTOP) after "
-                      f"step {step}", file=sys.stderr, flush=True)
+                _log.info(f"chaos.hang_freeze: process {self.process_index} stops itself (SIGSTOP) after "
+                          f"step {step}")
                 os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops: no heartbeat, no watchdog
                 return
             self.event("chaos", step, drill="hang", process=self.process_index)
@@ -139,7 +140,6 @@ class Chaos:
             return
         if self._in_step_fired.acquire(blocking=False):
             self.event("chaos", step, drill="hang_in_step", process=self.process_index)
-            print(f"jaxtrain: chaos.hang_in_step: process {self.process_index} blocks inside step {step}",
-                  file=sys.stderr, flush=True)
+            _log.info(f"chaos.hang_in_step: process {self.process_index} blocks inside step {step}")
         while True:  # a hung device, as its peers see it: inside the step, never reaching its collectives
             time.sleep(3600)

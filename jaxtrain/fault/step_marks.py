@@ -90,7 +90,8 @@ class StepMarks:
 
 
 def with_step_marks(step_fn: Callable, mesh: Mesh, marks: StepMarks) -> Callable:
-    """`step_fn(state, batch) -> (state, metrics, ...)` with the start and end marks around it."""
+    """`step_fn(state, batch, *inputs) -> (state, metrics, ...)` (the train step's input: its chaos
+    factor) with the start and end marks around it."""
     axes = tuple(mesh.axis_names)
 
     def on_every_device(callback: Callable, *args: jax.Array) -> jax.Array:
@@ -100,12 +101,12 @@ def with_step_marks(step_fn: Callable, mesh: Mesh, marks: StepMarks) -> Callable
         return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(P() for _ in args), out_specs=P(),
                              check_vma=False)(*args)
 
-    def marked(state: dict, batch: dict) -> tuple:
+    def marked(state: dict, batch: dict, *inputs: jax.Array) -> tuple:
         token = on_every_device(marks.start, state["step"])
         # The step's data depends on the start mark: a process blocked in it never enters the step's
         # collectives, and its peers wait there (as they would for a hung host or device).
         batch = {**batch, "tokens": batch["tokens"] + token.astype(batch["tokens"].dtype)}
-        out = step_fn(state, batch)
+        out = step_fn(state, batch, *inputs)
         new_state, metrics = out[0], out[1]
         on_every_device(marks.end, new_state["step"], metrics["loss"])  # effectful: kept though unused
         return out

@@ -17,18 +17,21 @@ Layout of the logs in a run directory (`read_log` reads either, and is what ever
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import tempfile
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from jaxtrain.storage import appended_log, small_files
 from jaxtrain.storage.paths import is_remote, join
 from jaxtrain.config import Config, save_config
-from jaxtrain.observe.console import Console
+from jaxtrain.observe.console import Console, write_line
 from jaxtrain.observe.tensorboard import ScalarWriter
+
+_log = logging.getLogger(__name__)
 
 
 class RunLog:
@@ -105,18 +108,19 @@ class RunLog:
         if self.console is not None:
             self._print(self._lines.progress(record), keep=not self._tty)
 
+    def texts(self, step: int, values: dict[str, str]) -> None:
+        """TensorBoard text summaries (samples of generated text)."""
+        if self.enabled and self._tb is not None:
+            self._tb.texts(step, values)
+
     def _print(self, line: str, keep: bool) -> None:
-        if self._tty:
-            self.console.write("\r\033[K" + line + ("\n" if keep else ""))
-        else:
-            self.console.write(line + "\n")
-        self.console.flush()
+        write_line(self.console, line, tty=self._tty, keep=keep)
 
     def _warn(self, message: str) -> None:
         if self.console is not None:
             self._print(f"[warning] {message}", keep=True)
         else:
-            print(f"jaxtrain: warning: {message}", file=sys.stderr)
+            _log.warning(message)
 
     def _files(self) -> tuple[Any, ...]:
         return (self._metrics, self._events, self._tb)
@@ -176,6 +180,48 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, (set, tuple)):
         return list(x)
     return str(x)
+
+
+class Events:
+    """Every event of a run, in order, through one API: `write({"kind": ..., "step": ..., **details})`.
+
+    The capabilities (checkpoint tiers, rollbacks, chaos, stragglers, health, preflight) receive the
+    object itself as their `on_event`: called as `events(kind, step, **details)`, it writes that
+    event. Where each event goes are the sinks (`attach`): the RunLog's events.jsonl, the exporter's
+    count by kind. The run raises events before its sinks exist (a restore, a damaged checkpoint,
+    a chaos drill at start-up): those are kept, and each sink attached gets them first, in order,
+    until `attach(..., last=True)` says no other sink follows.
+    """
+
+    def __init__(self) -> None:
+        self._sinks: list[Callable[[dict], None]] = []
+        self._early: list[dict] | None = []  # every event so far, while a sink may still be attached
+
+    def write(self, event: dict) -> None:
+        """Deliver one event ({"kind", "step", **details}) to every sink (or keep it for the next one)."""
+        if self._early is not None:
+            self._early.append(event)
+        for sink in self._sinks:
+            sink(event)
+
+    def __call__(self, kind: str, step: int, **details: Any) -> None:
+        """The `on_event(kind, step, **details)` form the capabilities call."""
+        self.write({"kind": kind, "step": step, **details})
+
+    def attach(self, sink: Callable[[dict], None], *, last: bool = False) -> None:
+        """Add `sink(event)`; it receives every event written so far, then each new one. `last`:
+        no sink follows, so the events of the start-up are no longer kept."""
+        for event in self._early or ():
+            sink(event)
+        self._sinks.append(sink)
+        if last:
+            self._early = None
+
+
+def split_event(event: dict) -> tuple[str, int, dict]:
+    """(kind, step, details) of an `Events` event."""
+    details = dict(event)
+    return details.pop("kind"), details.pop("step"), details
 
 
 def append_event(output_dir: str | None, kind: str, step: int, **details: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -29,7 +30,7 @@ from jaxtrain.parallel.sharding import batch_sharding, param_shardings
 from jaxtrain.train.optim import make_optimizer
 from jaxtrain.train.precision import compute_dtype, init_loss_scale
 from jaxtrain.train.stability import init_statistics
-from jaxtrain.train.step import BATCH_KEYS, make_train_step
+from jaxtrain.train.step import BATCH_KEYS, make_train_step, reads_chaos
 from jaxtrain.runtime.xla_cpu import lean_compile_options
 
 State = dict[str, Any]
@@ -87,16 +88,12 @@ class StateLayout:
 
     @property
     def chaos_drills(self) -> bool:
-        """Whether batches carry a `chaos` factor (chaos.nan_at_steps / spike_at_steps configured)."""
-        c = self.cfg.chaos
-        return bool(c.nan_at_steps or c.spike_at_steps)
+        """Whether the step reads its `chaos` factor (chaos.nan_at_steps / spike_at_steps configured)."""
+        return reads_chaos(self.cfg)
 
     def batch_shardings(self) -> dict[str, NamedSharding]:
-        """Shardings of a global batch's entries: [batch, length] arrays, and the drills' scalar."""
-        out = {k: self.batch_sharding for k in BATCH_KEYS}
-        if self.chaos_drills:
-            out["chaos"] = self.replicated
-        return out
+        """Shardings of a global batch's entries: [batch, length] arrays."""
+        return {k: self.batch_sharding for k in BATCH_KEYS}
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes of one global batch (tokens, targets, segment_ids, positions, loss_mask)."""
@@ -104,9 +101,15 @@ class StateLayout:
         shape = (d.global_batch_size, d.seq_len)
         out = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
-        if self.chaos_drills:
-            out["chaos"] = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
         return out
+
+    def abstract_chaos(self) -> jax.ShapeDtypeStruct:
+        """The step's third input: the numerics drills' loss factor, a replicated float32 scalar."""
+        return jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
+
+    def chaos_factor(self, factor: float = 1.0) -> jax.Array:
+        """`factor` as the step's `chaos` input (a global array: every process passes the same)."""
+        return jax.make_array_from_process_local_data(self.replicated, np.asarray(factor, np.float32))
 
     def jit_train_step(self, return_grads: bool = False, wrap: Callable | None = None) -> Callable:
         """The train step jitted with explicit in/out shardings and the state donated.
@@ -120,12 +123,12 @@ class StateLayout:
         if wrap is not None:
             step_fn = wrap(step_fn)
         out = (self.state_shardings, self.replicated) + ((self.param_shardings,) if return_grads else ())
-        return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_shardings()),
+        return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_shardings(), self.replicated),
                        out_shardings=out, donate_argnums=0)
 
     def lower_train_step(self, wrap: Callable | None = None) -> jax.stages.Lowered:
         """The train step lowered from shapes alone (no arrays, no data); `wrap` as in jit_train_step."""
-        return self.jit_train_step(wrap=wrap).lower(self.abstract_state(), self.abstract_batch())
+        return self.jit_train_step(wrap=wrap).lower(self.abstract_state(), self.abstract_batch(), self.abstract_chaos())
 
 
 def init_moe_state(cfg: Config) -> dict:

@@ -1,4 +1,4 @@
-"""The train step: one pure function `train_step(state, batch) -> (state, metrics)`.
+"""The train step: one pure function `train_step(state, batch, chaos) -> (state, metrics)`.
 
 State is a plain pytree `{"step", "params", "opt_state", "rng", "loss_scale", "stability"}` (see
 `jaxtrain.train.state`); params are the model's pure dict (the NNX graph is split once, outside the step,
@@ -10,7 +10,9 @@ Inside the one step, with no extra host synchronisation: loss scaling (fp16, `pr
 guard that skips a step with non-finite gradients by keeping the old state, spike detection with
 optional skipping (`stability.py`), gradient accumulation over `train.grad_accum` microbatches, and
 the optimizer update (`optim.py`). The mesh, rules and pipeline schedule reach the model and the
-loss as one `Partitioning` argument, built once here from the config (`partitioning`).
+loss as one `Partitioning` argument, built once here from the config (`partitioning`). `chaos` is
+the numerics drills' loss factor (`chaos.nan_at_steps` / `spike_at_steps`, jaxtrain/fault/chaos.py):
+a replicated float32 scalar input, so a new factor never recompiles (`reads_chaos`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ from jaxtrain.train.stability import spike_check, update_statistics
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 Batch = dict[str, jax.Array]  # the BATCH_KEYS, each [B, L]
 State = dict[str, Any]
+
+
+def reads_chaos(cfg: Config) -> bool:
+    """Whether the step reads its `chaos` input: only with numerics drills configured. Otherwise the
+    factor is the constant 1 and jit drops the unused input, so such a run compiles the same step."""
+    c = cfg.chaos
+    return bool(c.nan_at_steps or c.spike_at_steps)
 
 
 def partitioning(cfg: Config, mesh: Mesh | None, rules: Rules | None) -> Partitioning:
@@ -126,15 +135,18 @@ def global_norm(tree: Any, finite: jax.Array) -> jax.Array:
 
 def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     mesh: Mesh | None = None, rules: Rules | None = None,
-                    return_grads: bool = False) -> Callable[[State, Batch], tuple[State, dict]]:
+                    return_grads: bool = False) -> Callable[[State, Batch, jax.Array], tuple[State, dict]]:
     """Build the pure train step (not yet jitted: the trainer adds shardings and donation).
 
     Loss is the mean over all counted tokens of the global batch, however it is split into
     `train.grad_accum` microbatches, so accumulation equals one big batch. With `return_grads`
     the step returns (state, metrics, grads): the very gradients it applied, for tests that
     compare layouts and kernels on what the step computes rather than on a separate function.
+    `chaos` (third argument): the drill's factor, a float32 scalar (1 when no drill fires; read
+    only where `reads_chaos(cfg)`).
     """
     schedule = learning_rate_schedule(cfg)
+    drills = reads_chaos(cfg)
     z_loss, guard = cfg.stability.z_loss, cfg.stability.guard
     part = partitioning(cfg, mesh, rules)
     scaling = uses_loss_scaling(cfg)
@@ -158,10 +170,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
-    def step(state: State, batch: Batch):
+    def step(state: State, batch: Batch, chaos: jax.Array):
         params = state["params"]
-        batch = dict(batch)
-        inject = batch.pop("chaos", jnp.float32(1.0))  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
+        inject = chaos if drills else jnp.float32(1.0)  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
         # Context parallelism's zig-zag order (jaxtrain.parallel.context): each device's chunks, once per
         # batch; tokens, targets, positions, segment ids and mask move together, and the loss is a sum.
         batch = context.permute_batch(batch, part.context)

@@ -23,23 +23,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.checkpoint import checkpointer
 from jaxtrain.checkpoint import layout
+from jaxtrain.commands import checkpoints
 from jaxtrain.storage import paths as storage_paths
 from jaxtrain.runtime import compilation_cache
 from jaxtrain.checkpoint.checkpointer import Checkpointer, CheckpointError
 from jaxtrain.config import CheckpointConfig, ConfigError
 
-AXES = ("data", "stage", "fsdp", "tensor")
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
+from helpers import mesh_of  # noqa: E402
 
 # ----------------------------------------------------------------------------- helpers
 # Shared with test_checkpoint_multiprocess.py: values depend only on (seed, leaf position), so
 # every process can build its part of a global array and check what it restored.
-
-
-def mesh_of(data: int, fsdp: int, tensor: int, devices=None) -> jax.sharding.Mesh:
-    devices = list(devices if devices is not None else jax.devices())[: data * fsdp * tensor]
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}  # every other axis (stage, context, ...) 1
-    return jax.make_mesh(tuple(sizes.get(a, 1) for a in AXES), AXES, devices=devices)
 
 
 def spec_for(shape: tuple, mesh: jax.sharding.Mesh) -> P:
@@ -119,14 +114,14 @@ def cfg(**kw) -> CheckpointConfig:
 def saved(tmp_path_factory):
     """Step 5 saved from an 8-device mesh (data=2, fsdp=2, tensor=2)."""
     directory = tmp_path_factory.mktemp("saved") / "checkpoints"
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     with Checkpointer(str(directory), cfg()) as ck:
         assert ck.save(5, to_device(host_state(seed=5), mesh), {"data": {"epoch": 1, "pos": 40}, "config": {"a": [1, 2]}})
     return directory
 
 
 def test_round_trip_restores_equal_values_and_extra(saved):
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     fresh = to_device(host_state(seed=0), mesh)
     assert not matches(fresh, host_state(seed=5)), "the fresh state must differ before the restore"
     ck = Checkpointer(str(saved), cfg())
@@ -138,9 +133,9 @@ def test_round_trip_restores_equal_values_and_extra(saved):
     assert isinstance(state["opt_state"][0], optax.ScaleByAdamState)  # NamedTuples come back as such
 
 
-@pytest.mark.parametrize("layout", [(1, 4, 1), (1, 1, 1)], ids=["fsdp4-on-4-devices", "one-device"])
-def test_restore_onto_a_different_mesh(saved, layout):
-    mesh = mesh_of(*layout)
+@pytest.mark.parametrize("sizes", [{"fsdp": 4}, {}], ids=["fsdp4-on-4-devices", "one-device"])
+def test_restore_onto_a_different_mesh(saved, sizes):
+    mesh = mesh_of(**sizes)
     state, _ = Checkpointer(str(saved), cfg()).restore(5, abstract(host_state(0), mesh))
     assert matches(state, host_state(seed=5))
     assert state["params"]["layers"]["w"].sharding.mesh.devices.size == mesh.devices.size
@@ -148,7 +143,7 @@ def test_restore_onto_a_different_mesh(saved, layout):
 
 def test_state_may_be_donated_right_after_save(tmp_path):
     # save() returns once the arrays are copied: the step may then donate/overwrite them.
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     state = to_device(host_state(seed=3), mesh)
     overwrite = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 + 7, s), donate_argnums=0)
     ck = Checkpointer(str(tmp_path), cfg())
@@ -162,7 +157,7 @@ def test_state_may_be_donated_right_after_save(tmp_path):
 
 
 def test_damaged_latest_falls_back_to_previous_good(tmp_path, capsys):
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     ck = Checkpointer(str(tmp_path), cfg())
     for step in (1, 2, 3):
         ck.save(step, to_device(host_state(seed=step), mesh), {"step": step})
@@ -188,15 +183,15 @@ def test_damaged_latest_falls_back_to_previous_good(tmp_path, capsys):
 
     listing = {r["step"]: r for r in layout.list_checkpoints(str(tmp_path))}
     assert [listing[s]["valid"] for s in (1, 2, 3)] == [True, False, False]
-    assert listing[1]["mesh"] == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2} and listing[1]["bytes"] > 0
-    assert layout.main([str(tmp_path)]) == 0
+    assert listing[1]["mesh"] == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2} and listing[1]["bytes"] > 0
+    assert checkpoints.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "damaged" in out and "latest good: 1" in out
-    assert layout.main([str(tmp_path / "nope")]) == 2
+    assert checkpoints.main([str(tmp_path / "nope")]) == 2
 
 
 def test_nonfinite_state_is_never_committed(tmp_path):
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(keep_last=1), on_event=events)
     assert ck.save(1, to_device(host_state(seed=1), mesh), {})
@@ -217,7 +212,7 @@ def test_nonfinite_state_is_never_committed(tmp_path):
 
 
 def test_retention_keeps_last_n_and_every_kth(tmp_path):
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     state = to_device(host_state(seed=1), mesh)
     os.makedirs(tmp_path / "0.orbax-checkpoint-tmp")  # leftover of a crashed write
     events = Events()
@@ -236,7 +231,7 @@ def test_retention_keeps_last_n_and_every_kth(tmp_path):
 
 
 def test_failed_background_write_is_raised_and_reported(tmp_path, monkeypatch):
-    mesh = mesh_of(1, 1, 1)
+    mesh = mesh_of(data=1, fsdp=1, tensor=1)
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(), on_event=events)
     ck.save(1, to_device(host_state(seed=1), mesh), {})
@@ -254,7 +249,7 @@ def test_failed_background_write_is_raised_and_reported(tmp_path, monkeypatch):
 
 
 def test_saving_a_committed_step_again_is_skipped(tmp_path):
-    mesh = mesh_of(1, 1, 1)
+    mesh = mesh_of(data=1, fsdp=1, tensor=1)
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(async_save=False), on_event=events)
     assert ck.save(7, to_device(host_state(seed=1), mesh), {})
@@ -265,7 +260,7 @@ def test_saving_a_committed_step_again_is_skipped(tmp_path):
 
 def test_shape_mismatch_names_the_parameter_and_touches_nothing(saved):
     before = tree_hash(saved)
-    wrong = abstract(host_state(0, d=12), mesh_of(1, 1, 1))  # d_model 8 -> 12
+    wrong = abstract(host_state(0, d=12), mesh_of(data=1, fsdp=1, tensor=1))  # d_model 8 -> 12
     with pytest.raises(ConfigError, match=r"params\.embed' has shape \(16, 8\) in the checkpoint but \(16, 12\)"):
         Checkpointer(str(saved), cfg()).restore(5, wrong)
     with pytest.raises(ConfigError, match=r"params\.layers\.w"):
@@ -274,7 +269,7 @@ def test_shape_mismatch_names_the_parameter_and_touches_nothing(saved):
 
 
 def test_restore_params_only_for_init_from(saved, tmp_path):
-    mesh = mesh_of(1, 4, 1)
+    mesh = mesh_of(data=1, fsdp=4, tensor=1)
     params = checkpointer.restore_params_only(str(saved.parent), abstract(host_state(0), mesh)["params"])
     assert matches(params, host_state(seed=5)["params"])
     with pytest.raises(ConfigError, match="no committed checkpoint"):
@@ -296,7 +291,7 @@ def test_should_save_by_steps_time_and_end(tmp_path):
 
 def test_discard_after_deletes_newer_checkpoints_and_latest_before(tmp_path):
     """A rollback's tools: the newest good checkpoint before a step, and deleting what came after."""
-    mesh = mesh_of(1, 4, 2)
+    mesh = mesh_of(data=1, fsdp=4, tensor=2)
     with Checkpointer(str(tmp_path), cfg()) as ck:
         for step in (10, 20, 30):
             ck.save(step, to_device(host_state(seed=step), mesh), {})
@@ -360,14 +355,14 @@ def test_kill_during_async_write_leaves_previous_checkpoint(tmp_path):
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(), on_event=events)
     assert ck.latest_step() == 1
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     expected = host_state(seed=1, big=BIG)
     state, _ = ck.restore(1, abstract(expected, mesh))
     assert matches(state, expected)
 
 
 def _kill_child(directory: str) -> None:
-    mesh = mesh_of(1, 2, 1)
+    mesh = mesh_of(data=1, fsdp=2, tensor=1)
     ck = Checkpointer(directory, cfg())
     ck.save(1, to_device(host_state(seed=1, big=BIG), mesh), {})
     ck.wait()

@@ -17,9 +17,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import free_port  # noqa: E402
-from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
+from helpers import mesh_of  # noqa: E402
+from test_checkpoint import Events, abstract, cfg, host_state, matches, to_device  # noqa: E402
 
-from jaxtrain.checkpoint import layout  # noqa: E402
+from jaxtrain.checkpoint.layout import MARKER  # noqa: E402
 from jaxtrain.runtime.multihost import BarrierTimeoutError  # noqa: E402
 from jaxtrain.checkpoint.checkpointer import Checkpointer  # noqa: E402
 
@@ -48,7 +49,7 @@ def run_workers(mode: str, *args: str, timeout: float = 120) -> list[str]:
 def test_two_processes_save_and_restore_across_process_counts(tmp_path):
     one_proc, two_procs = tmp_path / "saved_by_1x8", tmp_path / "saved_by_2x4"
     with Checkpointer(str(one_proc), cfg()) as ck:  # 1 process x 8 devices ...
-        assert ck.save(5, to_device(host_state(seed=5), mesh_of(2, 2, 2)), {"from": "1x8"})
+        assert ck.save(5, to_device(host_state(seed=5), mesh_of(data=2, fsdp=2, tensor=2)), {"from": "1x8"})
 
     # ... restored by 2 processes x 4 devices, which then save their own checkpoint (see _worker)
     outputs = run_workers("roundtrip", str(one_proc), str(two_procs))
@@ -57,12 +58,12 @@ def test_two_processes_save_and_restore_across_process_counts(tmp_path):
 
     # ... and that 2-process checkpoint restores here on 1 process x 8 devices and on 1 device.
     assert os.path.isdir(two_procs / "7" / "state" / "ocdbt.process_1"), "each process writes its own shards"
-    assert json.loads((two_procs / "7" / layout.MARKER).read_text())["process_count"] == 2
+    assert json.loads((two_procs / "7" / MARKER).read_text())["process_count"] == 2
     ck = Checkpointer(str(two_procs), cfg())
     assert ck.latest_step() == 7
-    for layout in ((2, 2, 2), (1, 1, 1)):
-        assert not matches(to_device(host_state(seed=0), mesh_of(*layout)), host_state(seed=7))
-        state, extra = ck.restore(7, abstract(host_state(0), mesh_of(*layout)))
+    for sizes in ({"data": 2, "fsdp": 2, "tensor": 2}, {}):
+        assert not matches(to_device(host_state(seed=0), mesh_of(**sizes)), host_state(seed=7))
+        state, extra = ck.restore(7, abstract(host_state(0), mesh_of(**sizes)))
         assert matches(state, host_state(seed=7)) and extra == {"from": "2x4"}
 
 
@@ -91,7 +92,7 @@ def test_restore_is_checked_once_by_process_0_for_all(tmp_path):
     Then process 0's listing fails with a throttling error: every process raises the same
     TransientStorageError (restart me), none waits out a timeout."""
     with Checkpointer(str(tmp_path / "ck"), cfg()) as ck:
-        assert ck.save(5, to_device(host_state(seed=5), mesh_of(2, 2, 2)), {})
+        assert ck.save(5, to_device(host_state(seed=5), mesh_of(data=2, fsdp=2, tensor=2)), {})
     outputs = run_workers("verdict", str(tmp_path / "ck"), timeout=90)
     for out in outputs:
         assert "RESTORED OK" in out and "BOTH TRANSIENT" in out, out[-3000:]
@@ -108,13 +109,13 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         events = Events()
         ck = Checkpointer(dirs[0], cfg(), on_event=events)
         assert ck.latest_step() == 5
-        state, extra = ck.restore(5, abstract(host_state(0), mesh_of(2, 2, 2)))
+        state, extra = ck.restore(5, abstract(host_state(0), mesh_of(data=2, fsdp=2, tensor=2)))
         assert matches(state, host_state(seed=5)) and extra == {"from": "1x8"}
         print("RESTORED OK", flush=True)
 
         ck2 = Checkpointer(dirs[1], cfg(every_minutes=1e-9), on_event=events)
         assert ck2.should_save(1, time_due=ck2.time_due())  # time-based (the trainer agrees on time_due)
-        mesh = mesh_of(1, 4, 2)
+        mesh = mesh_of(data=1, fsdp=4, tensor=2)
         ck2.save(7, to_device(host_state(seed=7), mesh), {"from": "2x4"})
         ck2.wait()
         assert ck2.latest_step() == 7
@@ -131,7 +132,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
     elif mode == "keys":
         from jaxtrain.runtime.multihost import client
         ck = Checkpointer(dirs[0], cfg(keep_last=2))
-        mesh = mesh_of(1, 4, 2)
+        mesh = mesh_of(data=1, fsdp=4, tensor=2)
 
         def save_some(steps):
             for step in steps:
@@ -151,7 +152,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         if pid == 1:  # a stale view of the shared folder (the environment, not the code under test)
             module.check_checkpoint = lambda folder: (False, "no commit marker (stale view)", None)
         ck = Checkpointer(dirs[0], cfg(), barrier_timeout_s=20)
-        state, _ = ck.restore(5, abstract(host_state(0), mesh_of(1, 4, 2)))
+        state, _ = ck.restore(5, abstract(host_state(0), mesh_of(data=1, fsdp=4, tensor=2)))
         assert matches(state, host_state(seed=5))
         print("RESTORED OK", flush=True)
 
@@ -160,7 +161,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         module.check_checkpoint = throttled if pid == 0 else real
         t = time.monotonic()
         try:
-            ck.restore(5, abstract(host_state(0), mesh_of(1, 4, 2)))
+            ck.restore(5, abstract(host_state(0), mesh_of(data=1, fsdp=4, tensor=2)))
         except TransientStorageError as e:
             assert time.monotonic() - t < 15 and "SlowDown" in str(e), e
             print("BOTH TRANSIENT", flush=True)
@@ -170,7 +171,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
         if pid == 0:
             ck = Checkpointer(os.path.join(dirs[0], "ck"), cfg(), barrier_timeout_s=2)
             try:
-                ck.save(1, to_device(host_state(seed=1), mesh_of(1, 4, 2)), {})
+                ck.save(1, to_device(host_state(seed=1), mesh_of(data=1, fsdp=4, tensor=2)), {})
             except BarrierTimeoutError as e:
                 print(f"TIMEOUT {e}", flush=True)
             open(done, "w").close()
@@ -183,7 +184,7 @@ def _worker(mode: str, pid: int, port: str, *dirs: str) -> None:
 
         from jaxtrain.checkpoint import s3_arrays
         s3_arrays._MIN_SLICE_BYTES = 256  # the replicated (64, 8) float32 array: 8 slices of 8 rows
-        mesh = mesh_of(1, 8, 1)
+        mesh = mesh_of(data=1, fsdp=8, tensor=1)
         state = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, P() if k == "replicated" else P("fsdp")),
                                                  lambda i, v=v: v[i]) for k, v in spread_state().items()}
         with Checkpointer(dirs[0], cfg()) as ck:

@@ -33,7 +33,8 @@ from helpers import REPO, TINY
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from storage_servers import SECRETS, objects, storage_servers  # noqa: E402
-from test_checkpoint import Events, abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
+from helpers import mesh_of  # noqa: E402
+from test_checkpoint import Events, abstract, cfg, host_state, matches, to_device  # noqa: E402
 from trees import assert_trees_equal  # noqa: E402
 
 from jaxtrain.checkpoint import checkpointer  # noqa: E402
@@ -66,7 +67,7 @@ def servers(tmp_path_factory):
 
 
 def train_cmd(out: str, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
+    return [sys.executable, "-m", "jaxtrain", "train", "--config", TINY, f"run.output_dir={out}",
             f"checkpoint.compilation_cache_dir={cache}", *RUN, *extra, "--cpu-devices", "1"]
 
 
@@ -198,10 +199,10 @@ def test_no_credential_in_any_object_local_file_or_stderr(resumed):
 @pytest.mark.slow
 def test_checkpoints_command_lists_the_bucket(resumed):
     url, cwd = resumed.url, resumed.cwd
-    r = run_cli([sys.executable, "-m", "jaxtrain.cli", "checkpoints", url], cwd=cwd)
+    r = run_cli([sys.executable, "-m", "jaxtrain", "checkpoints", url], cwd=cwd)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"latest good: {STEPS}" in r.stdout and "good" in r.stdout
-    rows = [json.loads(line) for line in run_cli([sys.executable, "-m", "jaxtrain.cli", "checkpoints", url,
+    rows = [json.loads(line) for line in run_cli([sys.executable, "-m", "jaxtrain", "checkpoints", url,
                                                   "--json"], cwd=cwd).stdout.splitlines()]
     good = [row["step"] for row in rows if row["valid"]]
     assert good[-1] == STEPS and len(good) <= 3 and all(row["path"].startswith(url) for row in rows)
@@ -213,7 +214,7 @@ def test_checkpoints_command_lists_the_bucket(resumed):
 @pytest.mark.parametrize("scheme", BACKENDS)
 def test_damaged_latest_falls_back_and_restores_onto_another_mesh(servers, scheme):
     url = f"{scheme}://{BUCKET}/damaged/checkpoints"
-    two = mesh_of(2, 1, 1)  # saved on 2 devices, data=2
+    two = mesh_of(data=2, fsdp=1, tensor=1)  # saved on 2 devices, data=2
     ck = Checkpointer(url, cfg())
     for step in (1, 2, 3):
         ck.save(step, to_device(host_state(seed=step), two), {"step": step})
@@ -230,7 +231,7 @@ def test_damaged_latest_falls_back_and_restores_onto_another_mesh(servers, schem
     damaged = dict(events.kinds("checkpoint_damaged"))
     assert set(damaged) == {2, 3}
     assert "no commit marker" in damaged[3]["reason"] and "the manifest says" in damaged[2]["reason"]
-    four = mesh_of(1, 4, 1)  # restored on 4 devices, fsdp=4
+    four = mesh_of(data=1, fsdp=4, tensor=1)  # restored on 4 devices, fsdp=4
     assert not matches(to_device(host_state(seed=0), four), host_state(seed=1))
     state, extra = ck2.restore(1, abstract(host_state(0), four))
     assert matches(state, host_state(seed=1)) and extra == {"step": 1}
@@ -243,7 +244,7 @@ def test_damaged_latest_falls_back_and_restores_onto_another_mesh(servers, schem
 def test_retention_deletes_the_objects(servers, scheme):
     url = f"{scheme}://{BUCKET}/retention/checkpoints"
     ck = Checkpointer(url, cfg(keep_last=2))
-    state = to_device(host_state(seed=1), mesh_of(1, 2, 1))
+    state = to_device(host_state(seed=1), mesh_of(data=1, fsdp=2, tensor=1))
     for step in range(1, 6):
         ck.save(step, state, {})
     ck.wait()
@@ -257,13 +258,13 @@ def test_a_checkpoint_copied_from_disk_into_s3_restores_there(servers, tmp_path)
     `aws s3 cp --recursive` would, is listed as good and restores there, onto another mesh."""
     local = tmp_path / "checkpoints"
     with Checkpointer(str(local), cfg()) as ck:
-        ck.save(3, to_device(host_state(seed=3), mesh_of(2, 2, 2)), {"step": 3})
+        ck.save(3, to_device(host_state(seed=3), mesh_of(data=2, fsdp=2, tensor=2)), {"step": 3})
     url = f"s3://{BUCKET}/copied/checkpoints"
     copy_to_bucket(local, url)
     assert any(o.endswith("/3/state/manifest.ocdbt") for o in objects(url))
     ck = Checkpointer(url, cfg())
     assert ck.latest_step() == 3
-    four = mesh_of(1, 4, 1)
+    four = mesh_of(data=1, fsdp=4, tensor=1)
     state, extra = ck.restore(3, abstract(host_state(0), four))
     assert matches(state, host_state(seed=3)) and extra == {"step": 3}
     assert state["params"]["layers"]["w"].sharding.mesh.devices.size == 4
@@ -292,14 +293,14 @@ def test_s3_chunks_split_within_shards_and_restore_across_them(servers, monkeypa
     monkeypatch.setattr(s3_arrays, "_MAX_CHUNK_BYTES", 64)  # 16 float32 per chunk
     url = f"s3://{BUCKET}/chunks/checkpoints"
     ck = Checkpointer(url, cfg())
-    ck.save(1, to_device(host_state(seed=4), mesh_of(1, 2, 1)), {})
+    ck.save(1, to_device(host_state(seed=4), mesh_of(data=1, fsdp=2, tensor=1)), {})
     ck.wait()
     # The chunks are keys of the checkpoint's OCDBT database (packed into a few objects).
     import tensorstore as ts
     kv = ts.KvStore.open({"driver": "ocdbt", "base": object_store.s3_kvstore(f"{url}/1/state")}).result()
     embed = [k for k in kv.list().result() if k.startswith(b"params.embed/") and not k.endswith(b".zarray")]
     assert len(embed) == 16 * 8 * 4 // 64, embed  # (16, 8) float32 in 64-byte chunks
-    state, _ = ck.restore(1, abstract(host_state(0), mesh_of(2, 2, 2)))
+    state, _ = ck.restore(1, abstract(host_state(0), mesh_of(data=2, fsdp=2, tensor=2)))
     assert matches(state, host_state(seed=4))
 
 
@@ -342,7 +343,7 @@ def test_wrong_bucket_is_one_line_exit_2_nothing_written(servers, scheme, cache,
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no-such-bucket-here" in r.stderr and "does not exist" in r.stderr
     for verb in ("checkpoints", "goodput"):
-        r = run_cli([sys.executable, "-m", "jaxtrain.cli", verb, url], cwd=tmp_path)
+        r = run_cli([sys.executable, "-m", "jaxtrain", verb, url], cwd=tmp_path)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr, r.stderr
     assert objects(f"{scheme}://{BUCKET}") == before and os.listdir(tmp_path) == []
 
@@ -505,7 +506,7 @@ def test_export_hf_reads_a_run_directory_in_a_bucket(servers, scheme, tmp_path, 
 
     from safetensors.numpy import load_file
 
-    from jaxtrain import cli
+    from jaxtrain.commands import cli
     src = _hf_source(tmp_path / "src")
     local = tmp_path / "imported"
     assert cli.main(["import-hf", str(src), "--output", str(local)]) == 0
@@ -549,7 +550,7 @@ def test_export_hf_of_a_run_trained_into_the_bucket(resumed, tmp_path):
     parameters."""
     from safetensors.numpy import load_file
 
-    from jaxtrain import cli
+    from jaxtrain.commands import cli
     from jaxtrain.hf import hf_tensors_from_params
     out = tmp_path / "exported"
     assert cli.main(["export-hf", resumed.url, "--output", str(out)]) == 0
@@ -570,14 +571,14 @@ def test_two_processes_save_to_the_bucket_and_one_restores(servers, scheme):
     from test_checkpoint_multiprocess import run_workers
     one_proc, two_procs = f"{scheme}://{BUCKET}/mp/saved_by_1x8", f"{scheme}://{BUCKET}/mp/saved_by_2x4"
     with Checkpointer(one_proc, cfg()) as ck:
-        assert ck.save(5, to_device(host_state(seed=5), mesh_of(2, 2, 2)), {"from": "1x8"})
+        assert ck.save(5, to_device(host_state(seed=5), mesh_of(data=2, fsdp=2, tensor=2)), {"from": "1x8"})
     outputs = run_workers("roundtrip", one_proc, two_procs)  # 2 processes x 4 devices restore it, save step 7
     assert all("RESTORED OK" in out and "SAVED OK" in out for out in outputs), outputs
     marker = json.loads(small_files.read_bytes(f"{two_procs}/7/{layout.MARKER}"))
     assert marker["process_count"] == 2
     ck = Checkpointer(two_procs, cfg())
     assert ck.latest_step() == 7
-    state, extra = ck.restore(7, abstract(host_state(0), mesh_of(1, 1, 1)))
+    state, extra = ck.restore(7, abstract(host_state(0), mesh_of(data=1, fsdp=1, tensor=1)))
     assert matches(state, host_state(seed=7)) and extra == {"from": "2x4"}
 
 
@@ -607,7 +608,8 @@ def test_a_listing_cached_before_another_writer_commits_does_not_hide_the_checkp
         assert layout.list_files(root / "7") == {"a.bin": 5}
     elif reader == "checkpoints_cli":
         capsys.readouterr()
-        assert layout.main([run, "--json"]) == 0
+        from jaxtrain.commands import checkpoints
+        assert checkpoints.main([run, "--json"]) == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # JSON lines
         assert [(row["step"], row["valid"]) for row in rows] == [(7, True)]
     else:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_checkpoint import cfg, host_state, mesh_of, to_device  # noqa: E402
+from helpers import mesh_of  # noqa: E402
+from test_checkpoint import cfg, host_state, to_device  # noqa: E402
 
 from jaxtrain.checkpoint import replica_transfer as rt  # noqa: E402
 from jaxtrain.checkpoint.local_tier import LocalTier  # noqa: E402
@@ -97,7 +98,7 @@ def test_the_tier_checks_every_chunk_of_a_replica_before_committing_it(tmp_path)
     """The receiving side of a put: a holder (here a one-process tier told it holds process 0's
     replicas) commits a good copy by rename, and refuses a copy with one flipped byte, a copy of
     another owner and a truncated one, writing nothing."""
-    mesh = mesh_of(2, 2, 2)
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
     local_cfg = cfg(local_every_steps=2, local_dir=str(tmp_path / "writer"))
     writer = LocalTier(local_cfg, str(tmp_path / "run"))
     writer.save(2, to_device(host_state(seed=2), mesh), {})

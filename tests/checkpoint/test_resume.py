@@ -26,7 +26,7 @@ RUN = ["train.steps=40", "train.log_every=1", "checkpoint.every_steps=5", "model
 
 
 def train_cmd(out: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
+    return [sys.executable, "-m", "jaxtrain", "train", "--config", TINY, f"run.output_dir={out}",
             f"checkpoint.compilation_cache_dir={cache}", *RUN, *extra, "--cpu-devices", "1"]
 
 

@@ -17,7 +17,8 @@ from jaxtrain.config import load_config
 from jaxtrain.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import Events, cfg, host_state, mesh_of, to_device  # noqa: E402
+from helpers import mesh_of  # noqa: E402
+from test_checkpoint import Events, cfg, host_state, to_device  # noqa: E402
 
 
 
@@ -26,7 +27,7 @@ def steps_on_disk(directory) -> list[int]:
 
 
 def test_pinned_checkpoint_survives_keep_last_until_unpinned(tmp_path):
-    state = to_device(host_state(seed=1), mesh_of(1, 1, 1))
+    state = to_device(host_state(seed=1), mesh_of(data=1, fsdp=1, tensor=1))
     ck = Checkpointer(str(tmp_path), cfg(keep_last=2))
     ck.save(10, state, {})
     ck.wait()
@@ -50,7 +51,7 @@ def test_a_slow_deletion_does_not_add_to_the_next_saves_blocking_time(tmp_path, 
         real(folder)
 
     monkeypatch.setattr(ckpt_mod, "_delete_step", slow)
-    state = to_device(host_state(seed=1), mesh_of(1, 1, 1))
+    state = to_device(host_state(seed=1), mesh_of(data=1, fsdp=1, tensor=1))
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(keep_last=1), on_event=events)
     ck.save(1, state, {})
@@ -74,7 +75,7 @@ def test_a_deletion_that_fails_is_reported_and_training_goes_on(tmp_path, monkey
         raise OSError("permission denied")
 
     monkeypatch.setattr(ckpt_mod, "_delete_step", broken)
-    state = to_device(host_state(seed=1), mesh_of(1, 1, 1))
+    state = to_device(host_state(seed=1), mesh_of(data=1, fsdp=1, tensor=1))
     events = Events()
     ck = Checkpointer(str(tmp_path), cfg(keep_last=1), on_event=events)
     for step in (1, 2):

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from storage_servers import objects, storage_servers  # noqa: E402
-from test_checkpoint import abstract, cfg, host_state, matches, mesh_of, to_device  # noqa: E402
+from helpers import mesh_of  # noqa: E402
+from test_checkpoint import abstract, cfg, host_state, matches, to_device  # noqa: E402
 
 from jaxtrain.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from jaxtrain.checkpoint import checkpointer as checkpointer_module  # noqa: E402
@@ -60,7 +61,7 @@ def test_objects_do_not_grow_with_leaves_times_devices_and_restore_across_meshes
     url = f"s3://{BUCKET}/count/checkpoints"
     host = many_leaves(leaves, seed=3)
     with Checkpointer(url, cfg()) as ck:
-        ck.save(1, fsdp_sharded(host, mesh_of(1, 8, 1)), {"n": leaves})
+        ck.save(1, fsdp_sharded(host, mesh_of(data=1, fsdp=8, tensor=1)), {"n": leaves})
     written = objects(f"{url}/1")
     state = [o for o in written if "/1/state/" in o]
     assert len(written) <= 30 and len(state) <= 20, (len(written), written)  # 1 process; not ~leaves x devices
@@ -69,7 +70,7 @@ def test_objects_do_not_grow_with_leaves_times_devices_and_restore_across_meshes
 
     ck = Checkpointer(url, cfg())
     assert ck.latest_step() == 1
-    for target in (mesh_of(1, 1, 1), mesh_of(2, 2, 2)):  # 8 devices -> 1 device; fsdp 8 -> 2
+    for target in (mesh_of(data=1, fsdp=1, tensor=1), mesh_of(data=2, fsdp=2, tensor=2)):  # 8 devices -> 1 device; fsdp 8 -> 2
         want = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(target, P("fsdp", "tensor")))
                 for k, v in host.items()}
         restored, extra = ck.restore(1, want)
@@ -86,7 +87,7 @@ def test_a_replicated_array_is_written_in_slices_by_its_replicas(servers, monkey
     slice size) stays one chunk. The zarr layout had one chunk per shard, all from replica 0."""
     monkeypatch.setattr(s3_arrays, "_MIN_SLICE_BYTES", 256)
     url = f"s3://{BUCKET}/replicated/checkpoints"
-    mesh = mesh_of(2, 4, 1)
+    mesh = mesh_of(data=2, fsdp=4, tensor=1)
     host = {"big": np.arange(64 * 8, dtype=np.float32).reshape(64, 8), "small": np.ones((8, 2), np.float32),
             "part": -np.arange(64 * 8, dtype=np.float32).reshape(64, 8)}
     specs = {"big": P(), "small": P(), "part": P("fsdp")}
@@ -96,7 +97,7 @@ def test_a_replicated_array_is_written_in_slices_by_its_replicas(servers, monkey
     for name, chunks in (("big", 8), ("part", 8), ("small", 1)):
         assert sorted(k for k in keys if k.startswith(f"{name}/")) == [f"{name}/.zarray"] + [
             f"{name}/{i}.0" for i in range(chunks)], keys
-    restored, _ = Checkpointer(url, cfg()).restore(1, abstract(host, mesh_of(1, 2, 2)))
+    restored, _ = Checkpointer(url, cfg()).restore(1, abstract(host, mesh_of(data=1, fsdp=2, tensor=2)))
     for k, v in host.items():
         np.testing.assert_array_equal(np.asarray(restored[k]), v, err_msg=k)
 
@@ -108,12 +109,12 @@ def test_stock_orbax_reads_an_s3_checkpoint_copied_to_disk(servers, tmp_path):
     url = f"s3://{BUCKET}/stock/checkpoints"
     host = {**host_state(seed=4), "zeros": np.zeros((8, 4), np.float32)}
     with Checkpointer(url, cfg()) as ck:
-        ck.save(4, to_device(host, mesh_of(2, 2, 2)), {})
+        ck.save(4, to_device(host, mesh_of(data=2, fsdp=2, tensor=2)), {})
     fs = object_store.filesystem(url)
     fs.invalidate_cache()
     fs.get(f"{url}/4/", str(tmp_path / "4"), recursive=True)
     assert (tmp_path / "4" / "state" / "manifest.ocdbt").exists()
-    item = abstract({**host_state(0), "zeros": np.ones((8, 4), np.float32)}, mesh_of(1, 4, 1))
+    item = abstract({**host_state(0), "zeros": np.ones((8, 4), np.float32)}, mesh_of(data=1, fsdp=4, tensor=1))
     restored = ocp.PyTreeCheckpointer().restore(tmp_path / "4" / "state", args=ocp.args.PyTreeRestore(
         item, ocp.checkpoint_utils.construct_restore_args(item)))
     assert matches(restored, host)
@@ -133,7 +134,7 @@ def test_a_zarr_layout_checkpoint_still_restores_from_s3(servers, tmp_path, monk
     monkeypatch.setattr(checkpointer_module, "_pytree_handler", zarr_handler)
     local = tmp_path / "checkpoints"
     with Checkpointer(str(local), cfg()) as ck:
-        ck.save(2, to_device(host_state(seed=2), mesh_of(1, 8, 1)), {"step": 2})
+        ck.save(2, to_device(host_state(seed=2), mesh_of(data=1, fsdp=8, tensor=1)), {"step": 2})
     monkeypatch.undo()
     assert (local / "2" / "state" / "params.embed" / ".zarray").exists()
     assert not (local / "2" / "state" / "manifest.ocdbt").exists()
@@ -141,7 +142,7 @@ def test_a_zarr_layout_checkpoint_still_restores_from_s3(servers, tmp_path, monk
     _copy_to_bucket(local, url)
     ck = Checkpointer(url, cfg())
     assert ck.latest_step() == 2
-    state, extra = ck.restore(2, abstract(host_state(0), mesh_of(2, 2, 2)))
+    state, extra = ck.restore(2, abstract(host_state(0), mesh_of(data=2, fsdp=2, tensor=2)))
     assert matches(state, host_state(seed=2)) and extra == {"step": 2}
 
 
@@ -164,6 +165,6 @@ def test_two_processes_write_their_own_parts_and_share_replicated_writes(servers
     assert len(rows[0]) == len(rows[1]) == 4 and not set(rows[0]) & set(rows[1]), rows
     from test_checkpoint_multiprocess import spread_state
     host = spread_state()
-    restored, _ = Checkpointer(url, cfg()).restore(3, abstract(host, mesh_of(1, 1, 1)))
+    restored, _ = Checkpointer(url, cfg()).restore(3, abstract(host, mesh_of(data=1, fsdp=1, tensor=1)))
     for k, v in host.items():
         np.testing.assert_array_equal(np.asarray(restored[k]), v, err_msg=k)

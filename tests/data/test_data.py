@@ -17,7 +17,8 @@ import pytest
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.data import build_eval_data, build_train_data
 from jaxtrain.data.packing import FIELDS, SequenceSource, pack_window
-from jaxtrain.data.prepare import main as prepare_main, prepare
+from jaxtrain.commands.prepare_data import main as prepare_main
+from jaxtrain.data.prepare import prepare
 from jaxtrain.data.sources import Corpus, open_tokens, write_meta
 from jaxtrain.data.tokenizer import BYTES_EOD_ID, load_tokenizer
 
@@ -451,3 +452,19 @@ def test_state_from_another_source_is_a_config_error(corpus_dir):
     it.set_state({"next_sample": np.int64(8)})  # numpy ints, as a checkpoint library may return
     assert it.get_state() == {"next_sample": 8}
     it.close()
+
+
+def test_every_training_source_is_the_trainers_train_data(corpus_dir):
+    """The Trainer calls its data source's methods directly (no probing): every source
+    `build_train_data` returns is a `TrainData` (jaxtrain/data/pipeline.py)."""
+    from jaxtrain.data.pipeline import TrainData
+    for cfg in (cfg_for(corpus_dir), load_config(None, ["data.source=markov", "data.seq_len=16",
+                                                        "data.global_batch_size=8"])):
+        it = build_train_data(cfg)
+        try:
+            assert isinstance(it, TrainData), type(it)
+            assert it.position == 0 and it.last_wait_s >= 0 and it.num_batches != 0
+            next(it)
+            assert it.position == 1
+        finally:
+            it.close()

@@ -84,7 +84,7 @@ def test_stacks_are_dumped_for_every_thread(tmp_path):
 
 def launch(env: dict, out: Path, *overrides: str, restarts: int = 0, timeout: int = 300,
            processes: int = 2, isolate_after: int = 0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "launch", "--num-processes", str(processes),
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "launch", "--num-processes", str(processes),
                            "--cpu-devices", "1", "--isolate-after", str(isolate_after),
                            "--max-restarts", str(restarts), "--grace-period-s", "2", "--", "train", "--config", TINY,
                            *SMALL, f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={env['CACHE']}",
@@ -222,7 +222,7 @@ def test_preflight_names_a_bad_link_between_two_of_three_processes(tmp_path, chi
 
 def test_preflight_alone_reports_every_mesh_axis(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "preflight", "--config", TINY, "mesh.data=2",
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "preflight", "--config", TINY, "mesh.data=2",
                         "mesh.fsdp=2", "--cpu-devices", "4", "--json"], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -376,7 +376,7 @@ def test_the_hang_event_as_written_is_read_by_blame_and_goodput(monkeypatch, tmp
 
     from jaxtrain.runtime import multihost
     from jaxtrain.launch.policy import blamed_process
-    from jaxtrain.launch.recovery_cli import print_blame
+    from jaxtrain.commands.recovery import print_blame
     from jaxtrain.observe.goodput import goodput
     from goodput_run import EVENTS, METRICS, write_run
 

@@ -1,7 +1,7 @@
 """Hugging Face Llama import/export, checked against transformers itself (CPU torch).
 
 Each tiny LlamaForCausalLM is random (norm scales too, so a misplaced tensor shows), saved with
-`save_pretrained`, converted through the real CLI entry (`jaxtrain.cli.main`), and compared by
+`save_pretrained`, converted through the real CLI entry (`jaxtrain.commands.cli.main`), and compared by
 logits on the same tokens. transformers is a test-only dependency (the `dev` extra). The file runs
 under transformers 5.x (what the `dev` extra installs) and 4.x (checked by hand with 4.57: the
 tiny models are then saved in 4.x's config layout, and 4.x loads what export-hf writes).
@@ -27,7 +27,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 from jaxtrain.checkpoint.checkpointer import restore_params_only
 from jaxtrain.config import load_config
 from jaxtrain.hf import hf_tensors_from_params
@@ -296,7 +296,7 @@ def test_round_trip_fp32_is_bitwise_and_keeps_config_and_tokenizer(plain, tmp_pa
 
     # Sharded output: an index plus shards that transformers loads into the same model. Through
     # the installed entry point in a fresh process this time (JAX kept on the CPU by the command).
-    done = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "export-hf", str(imported), "--output", str(sharded),
+    done = subprocess.run([sys.executable, "-m", "jaxtrain", "export-hf", str(imported), "--output", str(sharded),
                            "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "export-hf: step 0 as fp32" in done.stdout

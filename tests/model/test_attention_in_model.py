@@ -39,7 +39,7 @@ def run(attention: str, mesh: tuple[str, ...] = (), devices: int = 1, steps: int
     first = pack_at(next(type(trainer.data)(trainer.cfg, 0, 1)), BOUNDS)  # the batch of the trainer's first step
     first = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)  # the step donates its input
-    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, first)
+    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, first, trainer.layout.chaos_factor())
     trainer.data = Packed(trainer.data, BOUNDS)
     initial = jax.device_get(trainer.state["params"])
     losses = [trainer.step()["loss"] for _ in range(steps)]

@@ -247,7 +247,7 @@ def test_step_gradients_are_those_of_the_mean_loss_with_z_loss():
                                                                                  jnp.sum(lse_BL ** 2 * mask) / n)
 
     (_, (want_ce, want_z)), want = jax.jit(jax.value_and_grad(mean_objective, has_aux=True))(params)
-    _, metrics, got = layout.jit_train_step(return_grads=True)(state, batch)
+    _, metrics, got = layout.jit_train_step(return_grads=True)(state, batch, layout.chaos_factor())
     errors = jax.tree_util.tree_map(rel, jax.device_get(got), want)
     assert max(jax.tree_util.tree_leaves(errors)) <= TOL, errors
     assert rel(metrics["loss"], want_ce) <= TOL and rel(metrics["z_loss"], want_z) <= TOL

@@ -62,7 +62,7 @@ def test_grad_accumulation_equals_one_big_batch():
         state = {"step": jnp.int32(0), "params": params, "opt_state": opt.init(params),
                  "rng": jax.random.key_data(jax.random.key(0)), "loss_scale": init_loss_scale(c),
                  "stability": init_statistics()}
-        new_state, metrics, grads = jax.jit(make_train_step(c, graphdef, opt, return_grads=True))(state, batch)
+        new_state, metrics, grads = jax.jit(make_train_step(c, graphdef, opt, return_grads=True))(state, batch, jnp.float32(1))
         results.append((metrics, grads, new_state["params"]))
     (m1, g1, p1), (m4, g4, p4) = results
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-6)

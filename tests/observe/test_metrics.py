@@ -96,7 +96,7 @@ def inspect_json():
     import json
     from contextlib import redirect_stdout
 
-    from jaxtrain import cli
+    from jaxtrain.commands import cli
     reports = {}
     for name, mesh in {"fsdp": ["mesh.data=1", "mesh.fsdp=8"], "data": ["mesh.data=8"]}.items():
         out = io.StringIO()
@@ -212,3 +212,21 @@ def test_cpu_all_reduce_that_is_only_sliced_counts_as_reduce_scatter():
     assert got["all-reduce"]["bytes"] == 2 * (grad / 4) * 1 / 2 + 2 * other * 7 / 8
     raw = collective_bytes(SLICED_HLO)
     assert raw["all-reduce"]["bytes"] == 2 * (grad + other) * 7 / 8 and raw["reduce-scatter"]["count"] == 0
+
+
+def test_events_reach_every_sink_and_the_early_ones_first():
+    """The run's one events object (jaxtrain/observe/runlog.py `Events`): what is written before a
+    sink attaches reaches it first, in order; after the last sink nothing more is kept."""
+    from jaxtrain.observe.runlog import Events, split_event
+    events, log, exporter = Events(), [], []
+    events("restore", 3, source="local")  # the capabilities' on_event(kind, step, **details)
+    events.write({"kind": "checkpoint_damaged", "step": 2, "reason": "no commit marker"})
+    events.attach(log.append)
+    events("config_changed", 3)
+    events.attach(lambda e: exporter.append(split_event(e)), last=True)
+    events("start", 3, devices=2)
+    assert [e["kind"] for e in log] == ["restore", "checkpoint_damaged", "config_changed", "start"]
+    assert log[0] == {"kind": "restore", "step": 3, "source": "local"}
+    assert exporter == [("restore", 3, {"source": "local"}), ("checkpoint_damaged", 2, {"reason": "no commit marker"}),
+                        ("config_changed", 3, {}), ("start", 3, {"devices": 2})]
+    assert events._early is None  # nothing kept once every sink is attached

@@ -34,7 +34,7 @@ def run(overrides: list[str]) -> tuple[dict, dict, list[float], dict]:
     first = next(type(trainer.data)(trainer.cfg, 0, 1))
     batch = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)
-    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, batch)
+    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, batch, trainer.layout.chaos_factor())
     metrics, grads = jax.device_get(metrics), jax.device_get(grads)
     losses = [trainer.step()["loss"] for _ in range(3)]
     return metrics, grads, losses, jax.device_get({"params": trainer.state["params"], "moe": trainer.state["moe"]})

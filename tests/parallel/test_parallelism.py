@@ -37,7 +37,7 @@ def run(overrides: list[str], devices) -> tuple[dict, dict, list[float], dict]:
     first = next(type(trainer.data)(trainer.cfg, 0, 1))
     batch = global_batch({k: first[k] for k in BATCH_KEYS}, trainer.mesh, trainer.rules)
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)  # the step donates its input
-    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, batch)
+    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, batch, trainer.layout.chaos_factor())
     metrics, grads = jax.device_get(metrics), jax.device_get(grads)
     initial = jax.device_get(trainer.state["params"])
     losses = [trainer.step()["loss"] for _ in range(3)]

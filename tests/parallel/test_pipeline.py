@@ -22,7 +22,7 @@ from helpers import TINY
 from jax.sharding import NamedSharding, PartitionSpec as P
 from trees import assert_trees_close, assert_trees_differ, assert_trees_equal
 
-from jaxtrain import cli
+from jaxtrain.commands import cli
 from jaxtrain.checkpoint.checkpointer import restore_params_only
 from jaxtrain.config import DEFAULT_RULES, ConfigError, MeshConfig, load_config
 from jaxtrain.observe.inspection import collective_bytes, format_report, inspect_report
@@ -88,7 +88,7 @@ def first_batch(trainer: Trainer) -> dict:
 def step_outputs(trainer: Trainer, batch: dict) -> tuple[dict, dict]:
     """(metrics, applied gradients) of the compiled train step on `batch`, from the current state."""
     state = jax.tree_util.tree_map(lambda x: x.copy(), trainer.state)  # the step donates its input
-    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, batch)
+    _, metrics, grads = trainer.layout.jit_train_step(return_grads=True)(state, batch, trainer.layout.chaos_factor())
     return jax.device_get(metrics), jax.device_get(grads)
 
 
@@ -514,7 +514,7 @@ def test_bad_pipeline_layout_is_refused_in_phase_2(overrides, message):
 
 def test_bad_pipeline_config_exits_2_through_the_cli(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY,
                         f"run.output_dir={out}", "mesh.stage=-1", "mesh.data=2", "pipeline.microbatches=4",
                         "model.num_layers=6", "--cpu-devices", "8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
@@ -532,7 +532,7 @@ RUN = ["train.steps=10", "train.log_every=1", "checkpoint.every_steps=2", "model
 
 
 def train(out: Path, cache: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
+    cmd = [sys.executable, "-m", "jaxtrain", "train", "--config", TINY,
            f"run.output_dir={out}", f"checkpoint.compilation_cache_dir={cache}", *RUN, *extra, "--cpu-devices", "8"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 

@@ -138,7 +138,7 @@ def copy_run(finished: Path, tmp_path: Path) -> Path:
 
 
 def train_cli(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}", *SMALL,
+    cmd = [sys.executable, "-m", "jaxtrain", "train", "--config", TINY, f"run.output_dir={out}", *SMALL,
            "checkpoint.compilation_cache_dir=null", *extra, "--cpu-devices", "1"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 

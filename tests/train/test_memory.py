@@ -23,14 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from jaxtrain.config import load_config
-from jaxtrain.model.llama import Transformer, embed_lookup
+from jaxtrain.model.llama import embed_lookup
 from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.parallel.sharding import Partitioning
-from jaxtrain.train.precision import compute_dtype
 from jaxtrain.train.state import build_layout
+from helpers import mesh_of
 
 GiB = 2**30
 
@@ -45,12 +45,6 @@ def optimized():
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
-
-
-def mesh_of(**sizes) -> Mesh:
-    names = ("data", "stage", "fsdp", "tensor")
-    shape = tuple(sizes.get(n, 1) for n in names)
-    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
 
 
 DEFAULT = {"batch": ["data", "stage", "fsdp"], "length": None, "vocab": "tensor", "embed": "fsdp"}

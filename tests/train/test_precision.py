@@ -163,7 +163,7 @@ def test_an_overflow_on_one_data_shard_is_skipped_by_every_shard(tmp_path):
     first = {s.device.id for s in batch["tokens"].addressable_shards if (s.index[0].start or 0) == 0}
     assert holders == first and len(holders) < 8  # only batch shard 0's devices (its tensor replicas) see it
     before = {k: _shards(t.state[k]) for k in ("params", "opt_state", "stability")}
-    t.state, metrics = t.layout.jit_train_step()(t.state, batch)
+    t.state, metrics = t.layout.jit_train_step()(t.state, batch, t.layout.chaos_factor())
     assert bool(metrics["skipped"]) and bool(metrics["nonfinite"])
     for k in ("params", "opt_state"):
         after = _shards(t.state[k])

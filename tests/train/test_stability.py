@@ -351,7 +351,7 @@ ROLLBACK = ["train.steps=60", "train.log_every=1", "checkpoint.every_steps=10", 
 
 def train(out: Path, *extra: str, attempt: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": "", "JAXTRAIN_RESTART_ATTEMPT": str(attempt)}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY, f"run.output_dir={out}",
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY, f"run.output_dir={out}",
                            *SMALL, *ROLLBACK, *extra, "--cpu-devices", "1"], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -556,7 +556,7 @@ def test_bad_numerics_keys_are_config_errors(override, message):
 
 
 def test_bad_numerics_key_exits_2_through_the_cli(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train", "--config", TINY,
+    r = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", TINY,
                         f"run.output_dir={tmp_path / 'r'}", "stability.window=0"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
 
@@ -569,3 +569,31 @@ def test_min_history_follows_the_window_unless_set():
     assert load_config(TINY, ["stability.min_history=5"]).stability.history_needed == 5
     with pytest.raises(ConfigError, match="stability.min_history"):
         load_config(TINY, ["stability.window=10", "stability.min_history=20"])
+
+
+def test_the_chaos_factor_is_an_input_of_the_step_not_a_recompile(tmp_path):
+    """chaos.nan_at_steps / spike_at_steps reach the jitted step as its third argument, a replicated
+    scalar: one compiled step runs every factor. Without drills the step ignores it (the constant 1)."""
+    t = trainer(tmp_path, "chaos.spike_at_steps=[5]")
+    try:
+        compiled = t.layout.lower_train_step().compile()
+        from jaxtrain.parallel.sharding import global_batch
+        from jaxtrain.train.step import BATCH_KEYS
+        local = next(t.data)
+        batch = global_batch({k: local[k] for k in BATCH_KEYS}, t.mesh, t.rules, t.cfg.data.global_batch_size)
+        losses = {}
+        for factor in (1.0, 4.0):
+            state = jax.tree_util.tree_map(lambda x: x.copy(), t.state)  # the step donates its state
+            _, metrics = compiled(state, batch, t.layout.chaos_factor(factor))
+            losses[factor] = float(metrics["loss"])
+        assert losses[4.0] == pytest.approx(4 * losses[1.0], rel=1e-6)
+        plain = trainer(tmp_path / "plain")
+        try:
+            step = plain.layout.jit_train_step()
+            one, four = (float(step(jax.tree_util.tree_map(lambda x: x.copy(), plain.state), batch,
+                                    plain.layout.chaos_factor(f))[1]["loss"]) for f in (1.0, 4.0))
+            assert one == four == pytest.approx(losses[1.0], rel=1e-6) and step._cache_size() == 1
+        finally:
+            plain.close()
+    finally:
+        t.close()
