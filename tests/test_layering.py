@@ -2,12 +2,13 @@
 
 Layers, from the entry points down (README "Where things live", DESIGN §3):
 
-    entry         cli, launch/                      (nothing below imports them)
+    entry         commands/ (and __main__)          (the `jaxtrain` verbs: nothing imports them)
+    launchers     launch/                           (only commands/ imports it)
     loop          trainer
     capabilities  fault/ observe/ train/ checkpoint/ data/ hf/   (may use each other, without cycles)
     core          model/ parallel/                  (model may use parallel, never the reverse)
     ground floor  storage/ runtime/                 (paths, buckets, logs; process set-up)
-    base          config, arguments, numerics
+    base          config, numerics
 
 `kernels/` stands apart: a top-level folder installed as `jaxtrain.kernels` (pyproject.toml's
 package-dir; a bare `kernels` is Hugging Face's package), the model calls into it and it imports
@@ -27,11 +28,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-RANK = {"cli": 5, "launch": 5, "trainer": 4,
-        "fault": 3, "observe": 3, "train": 3, "checkpoint": 3, "data": 3, "hf": 3,
+RANK = {"commands": 6, "__main__": 6, "launch": 5, "trainer": 4,
+        "fault": 3, "observe": 3, "train": 3, "checkpoint": 3, "data": 3, "hf": 3, "infer": 3,
         "model": 2, "parallel": 2,
         "storage": 1, "runtime": 1,
-        "config": 0, "arguments": 0, "numerics": 0}
+        "config": 0, "numerics": 0}
 
 
 def modules(folder: str, package: str | None = None) -> dict[str, Path]:
@@ -79,7 +80,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def wing(module: str) -> str:
-    """`jaxtrain.fault.watchdog` -> `fault`; `jaxtrain.cli` -> `cli`; `jaxtrain.kernels.x` -> `kernels`."""
+    """`jaxtrain.fault.watchdog` -> `fault`; `jaxtrain.config` -> `config`; `jaxtrain.kernels.x` -> `kernels`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "jaxtrain"
 
@@ -158,9 +159,55 @@ def test_every_import_points_down_the_layers(edges):
     assert upward == [], "imports against the layering:\n" + "\n".join(upward)
 
 
+# The cross-wing imports the design draws, each with why; nothing else may import across wings.
+# Exact both ways: an import not listed fails, and so does a listed one nothing uses any more (the
+# table must say what the code does). `config` and `numerics` are the base: every wing may use them.
+ALLOWED = {
+    "__main__": {"commands"},  # `python -m jaxtrain` is the CLI
+    "jaxtrain": {"trainer"},  # the facade: `from jaxtrain import Trainer`
+    "commands": {"trainer", "launch", "checkpoint", "data", "fault", "hf", "infer", "observe", "parallel",
+                 "runtime", "storage"},  # each verb calls the part it runs
+    "trainer": {"checkpoint", "data", "fault", "infer", "model", "observe", "parallel", "runtime", "storage",
+                "train"},  # the loop wires every capability
+    "launch": {"observe", "parallel", "runtime", "storage"},  # blame from run logs, re-planned meshes
+    "checkpoint": {"data", "model", "runtime", "storage"},  # a trained run's tokenizer and model shapes
+    "fault": {"observe", "runtime", "storage"},  # events and health; host messages
+    "hf": {"checkpoint", "storage"},  # reads and writes checkpoints
+    "infer": {"checkpoint", "data", "hf", "model", "parallel", "train"},  # a trained model, decoded and scored
+    "observe": {"kernels", "model", "parallel", "runtime", "storage", "train"},  # inspect compiles the step
+    "train": {"data", "model", "parallel", "runtime", "storage"},  # the step, its data and state
+    "model": {"kernels", "parallel"},  # attention kernels; sharding by logical names
+    "parallel": set(),
+    "data": set(),
+    "runtime": {"storage"},  # the compilation cache lives in the run directory
+    "storage": set(),
+}
+BASE = {"config", "numerics"}
+
+
+def test_cross_wing_imports_are_exactly_the_drawn_ones(edges):
+    used: dict[str, set[str]] = {}
+    for src, targets in edges.items():
+        for dst in targets:
+            if wing(src) != wing(dst) and wing(dst) not in BASE and wing(src) not in ("kernels",):
+                used.setdefault(wing(src), set()).add(wing(dst))
+    undrawn = sorted(f"{s} -> {d}" for s, ds in used.items() for d in ds - ALLOWED.get(s, set()))
+    unused = sorted(f"{s} -> {d}" for s, ds in ALLOWED.items() for d in ds - used.get(s, set()))
+    assert undrawn == [], "imports the design does not draw (add to ALLOWED with why, or remove):\n" + "\n".join(undrawn)
+    assert unused == [], "ALLOWED names imports nothing makes any more (remove them):\n" + "\n".join(unused)
+
+
 def test_nothing_below_the_entry_points_imports_the_launcher(edges):
+    """Only the commands import launch/ (the supervisor, the recovery policy)."""
     users = sorted(src for src, targets in edges.items()
-                   if any(wing(t) == "launch" for t in targets) and wing(src) not in ("cli", "launch"))
+                   if any(wing(t) == "launch" for t in targets) and wing(src) not in ("commands", "launch"))
+    assert users == []
+
+
+def test_nothing_imports_the_commands(edges):
+    """commands/ is the entry wing: the library never calls a verb (`python -m jaxtrain` is its door)."""
+    users = sorted(f"{src} -> {t}" for src, targets in edges.items() for t in targets
+                   if wing(t) == "commands" and wing(src) not in ("commands", "__main__"))
     assert users == []
 
 

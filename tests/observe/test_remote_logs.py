@@ -244,7 +244,7 @@ def test_goodput_and_blame_read_a_run_in_segments_like_its_local_copy(recording,
     a run written before segments and the rest in small segments: `jaxtrain goodput` and
     `jaxtrain recovery blame` (through the launchers' reader) give what they give for the local copy."""
     from jaxtrain.launch import runfiles
-    from jaxtrain.launch.recovery_cli import print_blame
+    from jaxtrain.commands.recovery import print_blame
     from jaxtrain.observe.goodput import goodput
     from goodput_run import EVENTS, METRICS, write_run
 
