@@ -32,6 +32,10 @@ class Tokenizer(Protocol):
         """Token ids of each text (no special tokens added), as uint32 arrays."""
         ...
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (generated text; special tokens such as end-of-text left out)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; end of document is 256."""
@@ -42,6 +46,10 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8", errors="replace"), np.uint8).astype(np.uint32) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        # A cut multi-byte character (a sample stopped mid-way) shows as U+FFFD, never an error.
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -71,6 +79,10 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
+
+    def decode(self, ids: list[int]) -> str:
+        # An appended end-of-text id (one past the file's vocabulary) is not the file's to decode.
+        return self._tok.decode([i for i in ids if i != self.eod_id], skip_special_tokens=True)
 
 
 def load_tokenizer(spec: str, eod_id: Optional[int] = None, key: str = "data.tokenizer") -> Tokenizer:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -38,10 +36,7 @@ def import_hf(source: str, output: str) -> dict:
     refuse_url(output, "import-hf --output", "write it locally or on a shared filesystem; a run in a bucket "
                "starts from it with checkpoint.init_from=DIR")
     src = Path(source).expanduser()
-    if not src.is_dir():
-        raise ConfigError(f"import-hf source '{source}' does not exist or is not a directory")
-    hf = read_hf_config(src)
-    model = model_section_from_hf(hf)
+    hf, model, params, source_dtype, files = read_hf(source)
     out, tmp = fresh_output(output)
     tokenizer = out / "tokenizer.json" if (src / "tokenizer.json").is_file() else None
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", src.absolute().name) or "hf"
@@ -55,11 +50,6 @@ def import_hf(source: str, output: str) -> dict:
         # A run from this config starts from the imported weights unless told otherwise.
         "checkpoint": {"init_from": os.fspath(out)},
     }, need_data=False)
-    with contextlib.ExitStack() as stack:
-        reader = SafetensorsReader(src, stack)
-        source_dtype = check_tensors(reader, cfg.model)
-        params = params_from_hf(reader.get, cfg.model)
-        files = reader.files
     num_params = sum(x.size for x in _leaves(params))
     with writing(tmp):
         header = (f"# Imported from {src.absolute()} by `jaxtrain import-hf` ({num_params:,} parameters).\n"
@@ -72,6 +62,28 @@ def import_hf(source: str, output: str) -> dict:
         finish(tmp, out)
     return {"output": os.fspath(out), "num_params": num_params, "source_dtype": source_dtype,
             "files": files, "tokenizer": copied}
+
+
+def read_hf(source: str, what: str = "import-hf source") -> tuple[dict, dict, dict, str, list[str]]:
+    """A Hugging Face directory read into memory: (its config.json, the jaxtrain model section,
+    the parameters as fp32 numpy arrays, the source dtype, the safetensors files read).
+
+    Raises:
+      ConfigError: not a directory, or a field or tensor jaxtrain cannot represent (`what` names it).
+    """
+    src = Path(source).expanduser()
+    if not src.is_dir():
+        raise ConfigError(f"{what} '{source}' does not exist or is not a directory")
+    hf = read_hf_config(src)
+    model = model_section_from_hf(hf)
+    model_cfg = from_dict({"model": model, "data": {"source": None, "seq_len": min(128, model["max_seq_len"])}},
+                          need_data=False).model
+    with contextlib.ExitStack() as stack:
+        reader = SafetensorsReader(src, stack)
+        source_dtype = check_tensors(reader, model_cfg)
+        params = params_from_hf(reader.get, model_cfg)
+        files = reader.files
+    return hf, model, params, source_dtype, files
 
 
 def _with_source_comment(text: str) -> str:
@@ -97,22 +109,3 @@ def _save_params(directory: Path, params: dict, extra: dict) -> None:
     with Checkpointer(os.fspath(directory), CheckpointConfig(async_save=False)) as ckpt:
         if not ckpt.save(0, {"params": params}, {"hf_import": extra}):
             raise ConfigError("the source weights hold NaN or Inf values; nothing was imported")
-
-
-def main(argv: list[str]) -> int:
-    """`jaxtrain import-hf SRC --output DIR` (argv without the subcommand). Returns 0; user errors
-    raise ConfigError (the CLI prints one line and exits 2)."""
-    parser = argparse.ArgumentParser(prog="jaxtrain import-hf",
-                                     description="Convert a Hugging Face Llama checkpoint (safetensors) "
-                                                 "into a jaxtrain checkpoint plus config.yaml.")
-    parser.add_argument("source", help="Hugging Face model directory (config.json + *.safetensors)")
-    parser.add_argument("--output", required=True, help="new directory to write (must not exist or be empty)")
-    args = parser.parse_args(argv)
-    # Conversion is host work: keep JAX off an accelerator that a training job may be using.
-    if "jax" not in sys.modules:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    s = import_hf(args.source, args.output)
-    print(f"import-hf: {s['num_params']:,} parameters ({s['source_dtype']} -> fp32) from {len(s['files'])} "
-          f"safetensors file(s) into {s['output']}; copied {', '.join(s['tokenizer']) or 'no tokenizer files'}. "
-          f"Start a run with: jaxtrain train --config {s['output']}/config.yaml run.output_dir=...")
-    return 0

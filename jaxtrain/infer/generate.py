@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.infer.sampling import Sampling, choose
@@ -89,7 +89,7 @@ class Generator:
         abstract = nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0), dtype=dtype))
         self.graphdef, abstract_params = nnx.split(abstract)
         self.batch_ways = self.part.ways("batch")
-        if mesh is not None:
+        if mesh is not None and params is not None:  # (None: set `params` before generating, as the loop does)
             shardings = param_shardings(logical_axes(abstract_params), params, mesh, rules)
             params = jax.tree_util.tree_map(jax.device_put, params, shardings)
         self.params = params

@@ -60,14 +60,24 @@ def _bytes_field(number: int, data: bytes) -> bytes:
     return _field(number, 2, _varint(len(data)) + data)
 
 
-def _event(step: int, *, file_version: str | None = None, scalars: dict[str, float] | None = None) -> bytes:
+def _text_value(tag: str, text: str) -> bytes:
+    """A Summary.Value for TensorBoard's text tab: a scalar string tensor (TensorProto dtype 7,
+    DT_STRING; an empty shape) with the `text` plugin named in its metadata."""
+    plugin = _bytes_field(1, _bytes_field(1, b"text"))  # SummaryMetadata.plugin_data.plugin_name
+    tensor = _field(1, 0, _varint(7)) + _bytes_field(2, b"") + _bytes_field(8, text.encode("utf-8"))
+    return _bytes_field(1, tag.encode()) + _bytes_field(9, plugin) + _bytes_field(8, tensor)
+
+
+def _event(step: int, *, file_version: str | None = None, scalars: dict[str, float] | None = None,
+           texts: dict[str, str] | None = None) -> bytes:
     msg = _field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, _varint(step))  # wall_time, step
     if file_version is not None:
         msg += _bytes_field(3, file_version.encode())
-    if scalars:
+    if scalars or texts:
         values = b"".join(
             _bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", value)))  # tag, simple_value
-            for tag, value in scalars.items())
+            for tag, value in (scalars or {}).items())
+        values += b"".join(_bytes_field(1, _text_value(tag, text)) for tag, text in (texts or {}).items())
         msg += _bytes_field(5, values)  # Event.summary
     return msg
 
@@ -106,6 +116,10 @@ class ScalarWriter:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._write(_event(step, scalars=values))
+
+    def texts(self, step: int, values: dict[str, str]) -> None:
+        """Text summaries (TensorBoard's text tab), one per tag."""
+        self._write(_event(step, texts=values))
 
     def flush(self) -> None:
         """Make the records durable now (a local file is flushed after every record anyway)."""
