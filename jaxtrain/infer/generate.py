@@ -89,16 +89,28 @@ class Generator:
         abstract = nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0), dtype=dtype))
         self.graphdef, abstract_params = nnx.split(abstract)
         self.batch_ways = self.part.ways("batch")
-        if mesh is not None and params is not None:  # (None: set `params` before generating, as the loop does)
-            shardings = param_shardings(logical_axes(abstract_params), params, mesh, rules)
-            params = jax.tree_util.tree_map(jax.device_put, params, shardings)
-        self.params = params
+        self._shardings = (lambda p: param_shardings(logical_axes(abstract_params), p, mesh, rules)) if mesh else None
+        self.params: Any = None  # the model without its layer stacks (placeholders), and each layer's own
+        self.layers: Any = None
+        if params is not None:  # (None: `set_params` before generating, as the training loop does)
+            self.set_params(params)
         moe_layers = self.cfg.num_moe_layers if self.cfg.num_experts else 0
         self.router_bias = (None if not moe_layers else router_bias if router_bias is not None
                             else jnp.zeros((moe_layers, self.cfg.num_experts), jnp.float32))
-        self._prefill = jax.jit(self._prefill_fn, static_argnums=(6,))
-        self._decode = jax.jit(self._decode_fn, static_argnums=(5,))
+        self._prefill = jax.jit(self._prefill_fn, static_argnums=(7,))
+        self._decode = jax.jit(self._decode_fn, static_argnums=(6,), donate_argnums=(3,))
         self._scorer = None  # jaxtrain.infer.scoring's program, made on first use
+
+    def set_params(self, params: Any) -> None:
+        """Decode with `params` (a pure dict): placed by the rules on the mesh, and cut into layers
+        once here (`Transformer.layer_params`), so that no decode step slices a stacked weight. The
+        stacks themselves are kept as empty placeholders: the weights are held once."""
+        if self._shardings is not None:
+            params = jax.tree_util.tree_map(jax.device_put, params, self._shardings(params))
+        model = nnx.merge(self.graphdef, params)
+        self.layers = model.layer_params()
+        self.params = {k: (jax.tree_util.tree_map(lambda a: jnp.zeros((0,), a.dtype), v) if k in self.layers else v)
+                       for k, v in params.items()}
 
     # ------------------------------------------------------------------------- on the device
 
@@ -106,7 +118,7 @@ class Generator:
         head_DV = model.head_weight().astype(self.dtype)
         return jnp.einsum("bd,dv->bv", hidden_BD, head_DV, preferred_element_type=jnp.float32)
 
-    def _prefill_fn(self, params, router_bias, tokens_BP, lengths_B, limit_B, eos, cache_len: int):
+    def _prefill_fn(self, params, layers, router_bias, tokens_BP, lengths_B, limit_B, eos, cache_len: int):
         """The prompts through the model into a new cache -> (cache, the decode loop's first carry).
 
         The carry is made here, not on the host, so that the decode loop always receives arrays
@@ -115,14 +127,14 @@ class Generator:
         B, P = tokens_BP.shape
         cache = model.init_cache(B, cache_len, self.dtype)
         positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        hidden_BPD, cache = model.decode(tokens_BP, positions_BP, cache, self.part, router_bias)
+        hidden_BPD, cache = model.decode(tokens_BP, positions_BP, cache, self.part, router_bias, layers)
         last_BD = jnp.take_along_axis(hidden_BPD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         carry = {"logits": self._logits(model, last_BD), "position": lengths_B, "done": limit_B <= 0,
                  "count": jnp.zeros(B, jnp.int32), "limit": limit_B, "rows": jnp.arange(B, dtype=jnp.int32),
                  "eos": eos}
         return cache, carry
 
-    def _decode_fn(self, params, router_bias, cache, carry, settings, keep_logits: bool):
+    def _decode_fn(self, params, layers, router_bias, cache, carry, settings, keep_logits: bool):
         """Up to `chunk` tokens per row; stops early when every row is done.
 
         carry: logits [B, V] (of each row's next token), position [B] (the slot it fills), done,
@@ -130,7 +142,7 @@ class Generator:
         -> (cache, carry, tokens [B, chunk], emitted [B, chunk] (False past a row's end), logits)."""
         model = nnx.merge(self.graphdef, params)
         B, V = carry["logits"].shape
-        S = jax.tree_util.tree_leaves(cache)[0].shape[2]
+        S = jax.tree_util.tree_leaves(cache)[0].shape[1]
         C = self.chunk
         out = {"tokens": jnp.zeros((B, C), jnp.int32), "emitted": jnp.zeros((B, C), bool)}
         if keep_logits:
@@ -147,7 +159,7 @@ class Generator:
             done_B = carry["done"] | (active_B & ((token_B == carry["eos"]) | (count_B >= carry["limit"])))
             # A finished row still runs (the batch is one computation); its writes land past its end.
             slot_B = jnp.minimum(carry["position"], S - 1)
-            hidden_B1D, cache = model.decode(token_B[:, None], slot_B[:, None], cache, self.part, router_bias)
+            hidden_B1D, cache = model.decode(token_B[:, None], slot_B[:, None], cache, self.part, router_bias, layers)
             carry = dict(carry, logits=self._logits(model, hidden_B1D[:, 0]), position=carry["position"] + active_B,
                          count=count_B, done=done_B)
             return i + 1, cache, carry, out
@@ -216,14 +228,17 @@ class Generator:
         limit_B = np.minimum(max_new_tokens, S - lengths_B).astype(np.int32)
         limit_B[rows:] = 0
 
-        cache, carry = self._prefill(self.params, self.router_bias, tokens, lengths_B, limit_B,
+        if self.params is None:
+            raise ValueError("Generator.generate before set_params")
+        cache, carry = self._prefill(self.params, self.layers, self.router_bias, tokens, lengths_B, limit_B,
                                      np.int32(-1 if eos_id is None else eos_id), S)
         settings = sampling.arrays()
         new: list[list[int]] = [[] for _ in range(rows)]
         kept: list[list[np.ndarray]] = [[] for _ in range(rows)]
         stopped = np.zeros(B, bool)
         while True:
-            cache, carry, out = self._decode(self.params, self.router_bias, cache, carry, settings, return_logits)
+            cache, carry, out = self._decode(self.params, self.layers, self.router_bias, cache, carry, settings,
+                                             return_logits)
             host = jax.device_get(out)
             for r in range(rows):
                 emitted = host["emitted"][r]

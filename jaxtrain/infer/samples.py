@@ -52,7 +52,8 @@ class TrainingSamples:
 
     def run(self, step: int, params: Any, router_bias: Any = None) -> list[dict]:
         """The prompts continued by `params`: [{"prompt", "text" (None without a tokenizer), "tokens"}]."""
-        self.generator.params, self.generator.router_bias = params, router_bias
+        self.generator.set_params(params)  # this step's weights, cut into layers (one copy)
+        self.generator.router_bias = router_bias
         t = self.cfg.train
         sampling = Sampling(temperature=t.sample_temperature, seed=self.cfg.run.seed + step)
         decode = self.tokenizer.decode if self.tokenizer is not None else None

@@ -57,10 +57,12 @@ def filter_logits(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
 def choose(logits_BV: jax.Array, settings: dict[str, jax.Array], rows_B: jax.Array, positions_B: jax.Array) -> jax.Array:
     """The next token of each row [B] (int32): argmax at temperature 0, else a draw from the
     filtered distribution with the key of (seed, row, position)."""
-    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     temperature = settings["temperature"]
-    scaled = logits_BV / jnp.where(temperature > 0, temperature, 1.0)
-    filtered = filter_logits(scaled, settings["top_k"], settings["top_p"])
-    keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(settings["key"], r), p))(rows_B, positions_B)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+
+    def drawn() -> jax.Array:
+        filtered = filter_logits(logits_BV / temperature, settings["top_k"], settings["top_p"])
+        keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(settings["key"], r), p))(rows_B, positions_B)
+        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    # A branch, not a select: greedy decoding skips the sort over the vocabulary that filtering needs.
+    return jax.lax.cond(temperature > 0, drawn, lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32))

@@ -21,12 +21,12 @@ from jaxtrain.config import ConfigError
 MIN_LENGTH_BUCKET = 16
 
 
-def score_rows(model, part, router_bias, tokens_BL, targets_BL, mask_BL, dtype):
+def score_rows(model, part, router_bias, tokens_BL, targets_BL, mask_BL, dtype, layers=None):
     """(sum of log p(target) over the masked positions [B], every masked target the argmax [B])."""
     B, L = tokens_BL.shape
     cache = model.init_cache(B, L, dtype)
     positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    hidden_BLD, _ = model.decode(tokens_BL, positions_BL, cache, part, router_bias)
+    hidden_BLD, _ = model.decode(tokens_BL, positions_BL, cache, part, router_bias, layers)
     logits_BLV = jnp.einsum("bld,dv->blv", hidden_BLD, model.head_weight().astype(dtype),
                             preferred_element_type=jnp.float32)
     logp_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
@@ -37,9 +37,9 @@ def score_rows(model, part, router_bias, tokens_BL, targets_BL, mask_BL, dtype):
 
 def make_scorer(generator):
     """A jitted `score_rows` over `generator`'s model, parameters and mesh."""
-    def run(params, router_bias, tokens_BL, targets_BL, mask_BL):
+    def run(params, layers, router_bias, tokens_BL, targets_BL, mask_BL):
         model = nnx.merge(generator.graphdef, params)
-        return score_rows(model, generator.part, router_bias, tokens_BL, targets_BL, mask_BL, generator.dtype)
+        return score_rows(model, generator.part, router_bias, tokens_BL, targets_BL, mask_BL, generator.dtype, layers)
     return jax.jit(run)
 
 
@@ -74,6 +74,7 @@ def score(generator, requests: Sequence[tuple[Sequence[int], Sequence[int]]], ba
             inputs, labels = whole[:-1], whole[1:]
             tokens[r, :len(inputs)], targets[r, :len(labels)] = inputs, labels
             mask[r, len(labels) - n:len(labels)] = 1
-        logp, greedy = jax.device_get(scorer(generator.params, generator.router_bias, tokens, targets, mask.astype(bool)))
+        logp, greedy = jax.device_get(scorer(generator.params, generator.layers, generator.router_bias, tokens, targets,
+                                                   mask.astype(bool)))
         out += [(float(logp[r]), bool(greedy[r])) for r in range(len(chunk))]
     return out

@@ -353,59 +353,58 @@ class Transformer(nnx.Module):
         return stacks
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> dict:
-        """An empty KV cache: {stack: {"k", "v"}: [layers, batch, length, K, H]} (`decode` fills it)."""
+        """An empty KV cache: {stack: [{"k", "v"}: [batch, length, K, H] per layer]} (`decode` fills it).
+
+        One buffer per layer, not a stacked array: a decode step updates each in place, where
+        slicing a stacked cache (and stacked weights) would copy them at every token."""
         cfg, dtype = self.cfg, dtype or self.dtype
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return {name: {kv: jnp.zeros((n, *shape), dtype) for kv in ("k", "v")} for name, n in self.cache_stacks().items()}
+        return {name: [{kv: jnp.zeros(shape, dtype) for kv in ("k", "v")} for _ in range(n)]
+                for name, n in self.cache_stacks().items()}
+
+    def layer_params(self) -> dict[str, list]:
+        """{stack: [one layer's parameters (a pure dict) per layer]}: the stacks cut into layers, for
+        `decode` (done once outside the decode loop: slicing inside it copies every weight per token)."""
+        out = {}
+        for name, n in self.cache_stacks().items():
+            stacked = nnx.to_pure_dict(nnx.split(getattr(self, name))[1])
+            out[name] = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(n)]
+        return out
 
     def decode(self, tokens_BL, positions_BL, cache: dict, part: Partitioning = Partitioning(),
-               router_bias=None) -> tuple[jax.Array, dict]:
+               router_bias=None, layers: dict | None = None) -> tuple[jax.Array, dict]:
         """New tokens at `positions_BL` (contiguous per row) through every layer with its KV cache.
 
         -> (the final hidden states [B, L, D] after the last norm, the updated cache). The prompt
         (prefill) and each generated token (decode) both come through here: no pipeline, no context
-        split (`jaxtrain.infer` refuses those layouts); MoE layers route with `router_bias`.
+        split (`jaxtrain.infer` refuses those layouts); MoE layers route with `router_bias`. The
+        layers run unrolled, each over its own weights (`layers`: `layer_params()`, made once by
+        the caller; None: cut here) and its own cache buffer.
         """
         cfg, dtype = self.cfg, self.dtype
+        layers = self.layer_params() if layers is None else layers
         x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "length", "act_embed"))
+        cache = {name: list(c) for name, c in cache.items()}
+        graphdefs = {name: nnx.split(getattr(self, name))[0] for name in cache}
 
-        def step(graphdef):
-            def body(x_BLD, xs):
-                one_layer, layer_cache, bias_E = xs
-                return nnx.merge(graphdef, one_layer).decode(x_BLD, positions_BL, layer_cache, dtype, part, bias_E)
-            return body
-
-        def run(name, x_BLD, biases=None):
-            graphdef, layers = nnx.split(getattr(self, name))
-            x_BLD, cache[name] = jax.lax.scan(step(graphdef), x_BLD, (layers, cache[name], biases))
+        def run(name: str, i: int, x_BLD, bias_E=None):
+            block = nnx.merge(graphdefs[name], layers[name][i])
+            x_BLD, cache[name][i] = block.decode(x_BLD, positions_BL, cache[name][i], dtype, part, bias_E)
             return x_BLD
 
-        cache = dict(cache)
-        if hasattr(self, "dense_blocks"):
-            x_BLD = run("dense_blocks", x_BLD)
-        if cfg.num_experts and router_bias is None:
-            router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
-        if not hasattr(self, "interleaved_dense_blocks"):
-            x_BLD = run("blocks", x_BLD, router_bias if cfg.num_experts else None)
+        for i in range(len(cache.get("dense_blocks", []))):
+            x_BLD = run("dense_blocks", i, x_BLD)
+        if not cfg.num_experts:
+            for i in range(cfg.num_layers):
+                x_BLD = run("blocks", i, x_BLD)
             return self.final_norm(x_BLD), cache
-
-        # moe_every > 1: each unit is its group's moe_every - 1 dense layers, then the MoE layer.
-        dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
-        moe_graphdef, moe = nnx.split(self.blocks)
-        group = lambda a: a.reshape(cfg.num_moe_layers, -1, *a.shape[1:])
-        ungroup = lambda a: a.reshape(-1, *a.shape[2:])
-        dense_step, moe_step = step(dense_graphdef), step(moe_graphdef)
-
-        def unit(x_BLD, xs):
-            dense_layers, dense_cache, moe_layer, moe_cache, bias_E = xs
-            x_BLD, dense_cache = jax.lax.scan(dense_step, x_BLD, (dense_layers, dense_cache, None))
-            x_BLD, moe_cache = moe_step(x_BLD, (moe_layer, moe_cache, bias_E))
-            return x_BLD, (dense_cache, moe_cache)
-
-        xs = (jax.tree_util.tree_map(group, dense), jax.tree_util.tree_map(group, cache["interleaved_dense_blocks"]),
-              moe, cache["blocks"], router_bias)
-        x_BLD, (dense_cache, cache["blocks"]) = jax.lax.scan(unit, x_BLD, xs)
-        cache["interleaved_dense_blocks"] = jax.tree_util.tree_map(ungroup, dense_cache)
+        if router_bias is None:
+            router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
+        per_group = cfg.moe_every - 1 if "interleaved_dense_blocks" in cache else 0
+        for u in range(cfg.num_moe_layers):  # each unit: its group's moe_every - 1 dense layers, then the MoE layer
+            for i in range(u * per_group, (u + 1) * per_group):
+                x_BLD = run("interleaved_dense_blocks", i, x_BLD)
+            x_BLD = run("blocks", u, x_BLD, router_bias[u])
         return self.final_norm(x_BLD), cache
 
 

@@ -114,7 +114,7 @@ def test_sharded_decoding_equals_one_device(llama, sizes):
     one = Generator(cfg.model, params).generate(PROMPTS, NEW, return_logits=True)
     mesh = mesh_of(**sizes)
     gen = Generator(cfg.model, params, mesh=mesh, rules=cfg.mesh.rules)
-    leaf = gen.params["layers"]["attn"]["wq"] if "layers" in gen.params else jax.tree_util.tree_leaves(gen.params)[0]
+    leaf = gen.layers["blocks"][0]["attn"]["wq"]
     assert len(leaf.sharding.device_set) == mesh.size  # really spread over the mesh
     sharded = gen.generate(PROMPTS, NEW, return_logits=True)
     for a, b in zip(one, sharded):
