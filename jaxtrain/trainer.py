@@ -169,7 +169,7 @@ class Trainer:
         # Every event of the run, the `on_event` of each capability: kept until the log and the
         # exporter exist, then written to both (observe/runlog.py `Events`).
         self.events = Events()
-        self.chaos = Chaos(cfg, self.process_index, self.events, attempt=env.restart_attempt(),
+        self.chaos = Chaos(cfg.chaos, self.process_index, self.events, attempt=env.restart_attempt(),
                            slot=env.launcher_slot())
         self.log: RunLog | None = None
         self.exporter: Exporter | None = None  # observe.prometheus_*: built once the sources exist
@@ -196,7 +196,7 @@ class Trainer:
         self.evaluator.on_progress = self.watchdog.progress
         self.watchdog.beat(0, "startup")
         self.watchdog.start()
-        self.guard = SpikeGuard(cfg, self.events)
+        self.guard = SpikeGuard(cfg.stability, self.events)
         try:
             self.chaos.at_start()
             self.hosts = job_hosts(self.process_index, self.process_count, host=env.host_name())
@@ -256,7 +256,7 @@ class Trainer:
         self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=self.events) if write_files else None
         record = RollbackLog(checkpoint_dir, primary=self.process_index == 0,
                              agree=self.checkpointer.agree) if write_files else None
-        self.rollbacks = Rollbacks(cfg, self.checkpointer, record, self.events, guard=self.guard)
+        self.rollbacks = Rollbacks(cfg.stability, self.checkpointer, record, self.events, guard=self.guard)
         self.rollbacks.finish_interrupted()
         self.resumed_from: int | None = None
         self._config_checked = False  # the stored config is compared once, before the first restore

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxtrain.config import Config
+from jaxtrain.config import ChaosConfig
 
 _log = logging.getLogger(__name__)  # the drills' notices: `jaxtrain: chaos....` lines (observe/console.py)
 
@@ -37,13 +37,13 @@ CRASH_EXIT_CODE = 1  # what chaos.crash_process exits with: an ordinary crash, n
 class Chaos:
     """The drills of one process; the loop calls `at_start()` once and `after_step()` every step."""
 
-    def __init__(self, cfg: Config, process_index: int, event: Callable[..., None], *, attempt: int = 0,
+    def __init__(self, cfg: ChaosConfig, process_index: int, event: Callable[..., None], *, attempt: int = 0,
                  slot: int | None = None):
         """`attempt`: 0 on a job's first attempt, n on its n-th restart. `slot`: the `jaxtrain launch`
         slot this process runs in (None: the process index). Slots name places (nodes), processes
         name positions in the job: after an isolation the processes are renumbered, the slots are
         not, so a bad slot's drill stops with the slot."""
-        self.cfg = cfg.chaos
+        self.cfg = cfg  # the chaos section: all a drill reads
         self.process_index = process_index
         self.event = event
         self.attempt = attempt

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from jaxtrain.storage.paths import to_path
 from jaxtrain.storage.small_files import write_atomic
-from jaxtrain.config import Config
+from jaxtrain.config import StabilityConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +47,8 @@ class RollbackRequest:
 class SpikeGuard:
     """Turns each step's metrics into events and, after enough spikes in a window, a RollbackRequest."""
 
-    def __init__(self, cfg: Config, event: Callable[..., None]):
-        self.cfg = cfg.stability
+    def __init__(self, cfg: StabilityConfig, event: Callable[..., None]):
+        self.cfg = cfg
         self.event = event
         self._spikes: collections.deque[tuple[int, int | None]] = collections.deque()  # (step, batch)
         self._run = 0  # spikes in a row, as the step counts them (`stability.update_statistics`)
@@ -179,13 +179,13 @@ class Rollbacks:
     is logged as `rollback_unavailable` and training goes on.
     """
 
-    def __init__(self, cfg: Config, checkpointer: Any, record: RollbackLog | None, event: Callable[..., None],
+    def __init__(self, cfg: StabilityConfig, checkpointer: Any, record: RollbackLog | None, event: Callable[..., None],
                  guard: SpikeGuard | None = None):
         """`guard`: the loop's SpikeGuard. While it holds spikes, the newest checkpoint older than
         the oldest of them is pinned against retention (`Checkpointer.pin_before`): with
         keep_last=2 and every_steps=10, spikes at 15, 35, 38 need the step-10 checkpoint at 38,
         which plain retention deleted at step 30."""
-        self.cfg, self.checkpointer, self.record, self.event = cfg.stability, checkpointer, record, event
+        self.cfg, self.checkpointer, self.record, self.event = cfg, checkpointer, record, event
         if guard is not None and checkpointer is not None and hasattr(checkpointer, "pin_before"):
             guard.on_window = checkpointer.pin_before
 

@@ -460,9 +460,9 @@ def test_crash_drill_fires_on_every_attempt_in_its_slot_only(monkeypatch):
     events = []
     for attempt in (0, 3):
         with pytest.raises(Crashed, match="1"):
-            chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: events.append((a, k)), attempt=attempt,
+            chaos.Chaos(tiny("chaos.crash_process=1").chaos, 1, lambda *a, **k: events.append((a, k)), attempt=attempt,
                         slot=1).at_start()
-        late = chaos.Chaos(tiny("chaos.crash_process=1", "chaos.crash_at_step=3"), 1, lambda *a, **k: None,
+        late = chaos.Chaos(tiny("chaos.crash_process=1", "chaos.crash_at_step=3").chaos, 1, lambda *a, **k: None,
                            attempt=attempt, slot=1)
         late.at_start()
         late.after_step(2, None)
@@ -470,9 +470,9 @@ def test_crash_drill_fires_on_every_attempt_in_its_slot_only(monkeypatch):
             late.after_step(4, None)  # resumed past step 3: the first step it runs crashes
     assert events[0][0] == ("chaos", 0) and events[0][1]["drill"] == "crash" and events[0][1]["slot"] == 1
     # After an isolation slot 2 runs as process 1: no crash. Outside the launcher the slot is the process index.
-    chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: None, slot=2).at_start()
+    chaos.Chaos(tiny("chaos.crash_process=1").chaos, 1, lambda *a, **k: None, slot=2).at_start()
     with pytest.raises(Crashed):
-        chaos.Chaos(tiny("chaos.crash_process=1"), 1, lambda *a, **k: None).at_start()
+        chaos.Chaos(tiny("chaos.crash_process=1").chaos, 1, lambda *a, **k: None).at_start()
     with pytest.raises(ConfigError, match="chaos.crash_process"):
         tiny("chaos.crash_process=-2")
 
