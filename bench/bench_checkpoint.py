@@ -49,6 +49,22 @@ def machine() -> str:
     return f"{cores}-core CPU{mem}" + (f" ({model})" if model else "")
 
 
+def timed_restores(ck, abstract, state, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` restores of the latest checkpoint, checked equal to `state`."""
+    import jax
+    import numpy as np
+
+    restore = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        restored, _ = ck.restore(ck.latest_step(), abstract)
+        jax.block_until_ready(restored)
+        restore.append(time.perf_counter() - t)
+    assert all(np.array_equal(np.asarray(restored["params"][k]), np.asarray(state["params"][k]))
+               for k in state["params"])
+    return restore
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     # Device count must be set before JAX starts.
@@ -56,7 +72,6 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxtrain.checkpoint.checkpointer import Checkpointer
@@ -123,14 +138,7 @@ def main(argv: list[str]) -> int:
             ck.wait()
         commit = [d["commit_s"] for k, s, d in events if k == "checkpoint_saved" and s >= 2]
 
-        restore = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            restored, _ = ck.restore(ck.latest_step(), abstract)
-            jax.block_until_ready(restored)
-            restore.append(time.perf_counter() - t)
-        assert all(np.array_equal(np.asarray(restored["params"][k]), np.asarray(state["params"][k]))
-                   for k in state["params"])
+        restore = timed_restores(ck, abstract, state, args.repeats)
         ck.close()
     finally:
         if args.dir is None:

@@ -42,10 +42,9 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bench_checkpoint import machine
+    from bench_checkpoint import machine, timed_restores
     from jaxtrain.checkpoint.checkpointer import Checkpointer
     from jaxtrain.config import MESH_AXES, CheckpointConfig
     from storage_servers import storage_servers
@@ -75,14 +74,7 @@ def main(argv: list[str]) -> int:
             ck.wait()
         ck.should_save(0)  # delivers the last checkpoint_saved event
         commit = [d["commit_s"] for k, s, d in events if k == "checkpoint_saved" and s >= 1]
-        restore = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            restored, _ = ck.restore(ck.latest_step(), abstract)
-            jax.block_until_ready(restored)
-            restore.append(time.perf_counter() - t)
-        assert all(np.array_equal(np.asarray(restored["params"][k]), np.asarray(state["params"][k]))
-                   for k in state["params"])
+        restore = timed_restores(ck, abstract, state, args.repeats)
         ck.close()
         med = statistics.median
         return {"blocked_s": med(blocked), "commit_s": med(commit), "restore_s": med(restore)}
