@@ -65,14 +65,22 @@ def _jaxlib_checked() -> bool:
 # pass, its cotangent) along length before each block's projections: the fusion that produces it, e.g.
 # RMSNorm's backward, then gets that layout (2026-12, jaxlib 0.10.2, Intel Xeon AVX-512; tensor 2 x data 4
 # and context 2 x tensor 2 x data 2). No sharding constraint in the model avoids those gathers (they are
-# what sequence parallelism is), so such configs keep YNNPACK for dots and reductions only.
+# what sequence parallelism is), so such configs keep YNNPACK for dots and reductions only. Context
+# parallelism alone hits the same rejection on jaxlib 0.12 (context 4 x data 2: a gather of the loss's
+# dx over `context`, 2026-12-06, Python 3.12 / jaxlib 0.12.0.1; 0.10.2 ran it), so every config that
+# splits activations' length runs without them.
 YNN_FUSIONS_NO_ELTWISE = "--xla_cpu_experimental_ynn_fusion_type=dot,reduce"
 
 
-def shards_length_over_tensor(cfg) -> bool:
-    """Whether `cfg` (a jaxtrain Config) splits activations' length over a `tensor` axis (sequence
-    parallelism, `mesh.rules: {act_length: [context, tensor]}`); read before JAX starts."""
-    if cfg is None or cfg.mesh.tensor == 1:
+def splits_length(cfg) -> bool:
+    """Whether `cfg` (a jaxtrain Config) splits activations' length: over `context`
+    (`mesh.context` > 1), or over a `tensor` axis (sequence parallelism, `mesh.rules: {act_length:
+    [context, tensor]}`). Read before JAX starts."""
+    if cfg is None:
+        return False
+    if cfg.mesh.context != 1:  # (-1: resolved from the device count; it may be > 1)
+        return True
+    if cfg.mesh.tensor == 1:
         return False
     targets = [cfg.mesh.rules.get(name) for name in ("act_length", "length")]
     return any("tensor" in (t if isinstance(t, list) else [t]) for t in targets)
@@ -84,7 +92,7 @@ def cpu_xla_flags(cfg=None) -> list[str]:
     YNN_FUSIONS_NO_ELTWISE)."""
     if not _jaxlib_checked():
         return []
-    ynn = YNN_FUSIONS_NO_ELTWISE if shards_length_over_tensor(cfg) else YNN_FUSIONS
+    ynn = YNN_FUSIONS_NO_ELTWISE if splits_length(cfg) else YNN_FUSIONS
     return [ynn] + ([VECTOR_512] if has_avx512() else [])
 
 
