@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -72,6 +72,8 @@ from jaxtrain.train.precision import compute_dtype
 from jaxtrain.train.rollback import RollbackLimit, RollbackLog, RollbackRequest, Rollbacks, SpikeGuard
 from jaxtrain.train.state import State, build_layout
 from jaxtrain.train.step import BATCH_KEYS
+
+log = logging.getLogger(__name__)  # `jaxtrain: ...` lines on stderr (observe/console.install_stderr_logging)
 
 
 def check_run_paths(cfg: Config) -> None:
@@ -588,8 +590,8 @@ class Trainer:
         self.events("signal", self._host_step, signal=next(iter(asked.values())), processes=sorted(asked),
                     before_first_step=True)
         self.events("preempted", self._host_step, exit_code=EXIT_RESTART, before_first_step=True)
-        print(f"jaxtrain: asked to stop during start-up ({', '.join(f'process {p}: {v}' for p, v in asked.items())}); "
-              "exiting 75 before the first step", file=sys.stderr, flush=True)
+        log.error(f"asked to stop during start-up ({', '.join(f'process {p}: {v}' for p, v in asked.items())}); "
+                  "exiting 75 before the first step")
         return True
 
     def _make_health(self, cfg: Config) -> Health:
@@ -676,7 +678,7 @@ class Trainer:
             plan = self.rollbacks.plan(request)
         except RollbackLimit as e:
             self._stop_details = {"spike_steps": list(request.spike_steps), "message": str(e)}
-            print(f"jaxtrain: {e}", file=sys.stderr, flush=True)
+            log.error(str(e))
             return False
         if plan is None:
             return True
@@ -771,8 +773,7 @@ class Trainer:
                 if self.log is not None:
                     self.log.close()
             except BaseException as e:  # noqa: BLE001 -- the error being handled is the one to report
-                print(f"jaxtrain: cleanup after the error failed too: {type(e).__name__}: {e}", file=sys.stderr,
-                      flush=True)
+                log.error(f"cleanup after the error failed too: {type(e).__name__}: {e}")
 
         if self.exporter is not None:
             self.exporter.close()
