@@ -641,6 +641,13 @@ def _restore_verdict(folder: epath.Path, abstract_state: Any) -> str:
     return "ok"
 
 
+def saved_entries(path: str) -> set[str]:
+    """The top-level entries of the state a committed checkpoint folder holds (`params`, `opt_state`,
+    `moe`, ...), read from Orbax's metadata only."""
+    folder = _resolve_folder(path)
+    return {name.split(".")[0] for name in _flat(_pytree_handler(folder).metadata(folder / "state").tree)}
+
+
 def restore_params_only(path: str, abstract_params: Any, subtree: str = "params") -> Any:
     """Load only the parameters of another run's checkpoint (for `checkpoint.init_from`).
 

@@ -168,18 +168,17 @@ def restore_router_bias(run_dir: str, cfg: Config, step: int, sharding: Any = No
     checkpoint written without one, such as an import's: zeros then)."""
     import jax
 
-    from jaxtrain.checkpoint.checkpointer import restore_params_only
+    from jaxtrain.checkpoint.checkpointer import restore_params_only, saved_entries
 
     m = cfg.model
     if not m.num_experts:
         return None
     folder, _ = checkpoint_folder(run_dir, step)
+    if "moe" not in saved_entries(folder):  # an import-hf checkpoint holds parameters only
+        return None
     shape = jax.ShapeDtypeStruct((m.num_moe_layers, m.num_experts), np.float32,
                                  sharding=sharding or jax.sharding.SingleDeviceSharding(host_device()))
-    try:
-        return restore_params_only(folder, {"router_bias": shape}, subtree="moe")["router_bias"]
-    except ConfigError:  # no `moe` entry (an import-hf checkpoint holds parameters only)
-        return None
+    return restore_params_only(folder, {"router_bias": shape}, subtree="moe")["router_bias"]
 
 
 def host_device() -> Any:

@@ -58,6 +58,10 @@ class TrainingSamples:
         sampling = Sampling(temperature=t.sample_temperature, seed=self.cfg.run.seed + step)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         eos = self.tokenizer.eod_id if self.tokenizer is not None else None
-        completions = self.generator.generate(self.ids, t.sample_max_new_tokens, sampling, eos_id=eos, detokenize=decode)
+        try:
+            completions = self.generator.generate(self.ids, t.sample_max_new_tokens, sampling, eos_id=eos,
+                                                  detokenize=decode)
+        finally:  # the layers cut from this step's weights are a copy of them: not kept until the next sample
+            self.generator.params = self.generator.layers = self.generator.router_bias = None
         return [{"prompt": p, "text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason}
                 for p, c in zip(self.prompts, completions)]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from jax import monitoring
+from jax._src.monitoring import unregister_event_duration_listener  # (jax.monitoring has no public remove)
 from transformers import AutoModelForCausalLM
 
 from jaxtrain.commands import cli
@@ -130,7 +130,7 @@ def test_no_compilation_after_warm_up_within_the_same_buckets(llama):
     # Tracing counts too: a persistent compilation cache would hide a backend compile, not a trace.
     watched = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
     listener = lambda event, duration, **_: compiles.append(event) if event in watched else None
-    monitoring.register_event_duration_secs_listener(listener)
+    monitoring.register_event_duration_secs_listener(listener)  # (removed below: only ours, not jaxtrain's own)
     try:
         # Other prompts of the same buckets, other settings, fewer new tokens, stop strings off: nothing compiles.
         prompts = [[9] * 3, [4, 4], [1] * 17, [2] * 11]
@@ -138,7 +138,7 @@ def test_no_compilation_after_warm_up_within_the_same_buckets(llama):
         assert [len(c.tokens) for c in out] == [NEW - 5] * 4
         gen.generate(prompts, NEW, Sampling())
     finally:
-        monitoring.clear_event_listeners()
+        unregister_event_duration_listener(listener)
     assert compiles == [] and gen.compilations() == 2
 
 
@@ -211,3 +211,34 @@ def test_scores_equal_a_float64_numpy_log_softmax_of_transformers_logits(tmp_pat
     assert got[-1][1] is True
     with pytest.raises(ConfigError, match="request 0: continuation is empty"):
         gen.score([([1], [])])
+
+
+def test_a_trained_moe_run_decodes_with_its_router_bias(tmp_path):
+    """An MoE run trained with aux-loss-free balancing: `from_run` reads the router bias from the
+    checkpoint, and decoding routes with it (each step's logits equal a full forward pass with that
+    bias, and differ from one without it: a bias dropped on the way would show)."""
+    from flax import nnx
+
+    from jaxtrain.infer.loading import from_run
+    from jaxtrain.model.llama import Transformer
+
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(Path(__file__).resolve().parents[2] / "configs/moe-tiny.yaml"),
+                     f"run.output_dir={out}", "train.steps=3", "model.router_bias_update_rate=1.0",
+                     "checkpoint.compilation_cache_dir=null"]) == 0
+    trained = from_run(str(out))
+    bias = np.asarray(trained.router_bias)
+    assert np.abs(bias).max() > 0.5  # the rate moved it (sign steps of 1.0: an odd step count ends away from 0)
+    prompt, new = [3, 17, 5, 9], 6
+    [c] = trained.generator().generate([prompt], new, return_logits=True)
+    model = nnx.merge(nnx.split(nnx.eval_shape(lambda: Transformer(trained.cfg.model, rngs=nnx.Rngs(0))))[0],
+                      trained.params)
+    tokens = jnp.asarray([prompt + c.tokens[:-1]])
+
+    def logits(router_bias):
+        hidden, _ = model.hidden_and_stats(tokens, router_bias=router_bias)
+        return np.asarray(jnp.einsum("bld,dv->blv", hidden, model.head_weight()))[0, len(prompt) - 1:]
+
+    with_bias, without = logits(jnp.asarray(bias)), logits(None)
+    assert np.abs(with_bias - without).max() > 1e-3  # the bias changes routing here (10x the tolerance below)
+    assert np.abs(c.logits - with_bias).max() <= 1e-4, np.abs(c.logits - with_bias).max()
