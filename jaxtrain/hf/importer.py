@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 import yaml
 
-from jaxtrain.config import ConfigError, from_dict
+from jaxtrain.config import Config, ConfigError, from_dict
 from jaxtrain.hf.files import (HF_CONFIG, SafetensorsReader, check_tensors, copy_tokenizer, finish, fresh_output,
                                read_hf_config, refuse_url, writing)
 from jaxtrain.hf.mapping import model_section_from_hf, params_from_hf
@@ -64,6 +64,13 @@ def import_hf(source: str, output: str) -> dict:
             "files": files, "tokenizer": copied}
 
 
+def model_only_config(model: dict) -> Config:
+    """A config around a model section alone: no data chosen (training refuses it until named),
+    a sequence length the model allows."""
+    return from_dict({"model": model, "data": {"source": None, "seq_len": min(128, model["max_seq_len"])}},
+                     need_data=False)
+
+
 def read_hf(source: str, what: str = "import-hf source") -> tuple[dict, dict, dict, str, list[str]]:
     """A Hugging Face directory read into memory: (its config.json, the jaxtrain model section,
     the parameters as fp32 numpy arrays, the source dtype, the safetensors files read).
@@ -76,8 +83,7 @@ def read_hf(source: str, what: str = "import-hf source") -> tuple[dict, dict, di
         raise ConfigError(f"{what} '{source}' does not exist or is not a directory")
     hf = read_hf_config(src)
     model = model_section_from_hf(hf)
-    model_cfg = from_dict({"model": model, "data": {"source": None, "seq_len": min(128, model["max_seq_len"])}},
-                          need_data=False).model
+    model_cfg = model_only_config(model).model
     with contextlib.ExitStack() as stack:
         reader = SafetensorsReader(src, stack)
         source_dtype = check_tensors(reader, model_cfg)

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxtrain.checkpoint.trained_run import (load_run_config, resolve_run, restore_params, restore_router_bias,
                                              run_tokenizer)
-from jaxtrain.config import Config, ConfigError, from_dict
+from jaxtrain.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from jaxtrain.data.tokenizer import Tokenizer
@@ -86,11 +86,10 @@ def tokenizer_of(cfg: Config) -> Optional["Tokenizer"]:
 def read_hf_dir(hf_dir: str) -> tuple[Config, dict, Optional[tuple[str, Optional[int]]]]:
     """(a config around the model, its parameters as host arrays, (tokenizer.json, eos id) or None)
     of a Hugging Face Llama or Mixtral directory. Imports no JAX (the verbs start it afterwards)."""
-    from jaxtrain.hf.importer import read_hf
+    from jaxtrain.hf.importer import model_only_config, read_hf
 
     hf, model, params, _, _ = read_hf(hf_dir, "--hf")
-    cfg = from_dict({"model": model, "data": {"source": None, "seq_len": min(128, model["max_seq_len"])}},
-                    need_data=False)
+    cfg = model_only_config(model)
     path = Path(hf_dir).expanduser() / "tokenizer.json"
     eos = hf.get("eos_token_id")
     spec = (str(path), eos[0] if isinstance(eos, list) else eos) if path.is_file() else None
