@@ -378,6 +378,33 @@ class ModelConfig:
                 raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")
 
 
+# The keys a data.mixture component may set; those it leaves unset come from the data section.
+MIXTURE_COMPONENT_KEYS = ("path", "weight", "name", "source", "format", "text_field", "tokens_field", "eval_only")
+FILE_SOURCES = ("tokens", "text", "arrayrecord", "parquet", "hf_datasets")  # the sources read from data.path
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureComponent:
+    """One source of a `data.mixture`, with the data section's defaults filled in."""
+
+    name: str
+    path: str
+    weight: float
+    source: str
+    format: str
+    text_field: str
+    tokens_field: Optional[str]
+    eval_only: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MixturePhase:
+    """From global step `step` on, the training components' weights (normalised, by component order)."""
+
+    step: int
+    weights: tuple[float, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Training and held-out data: source, tokenizer, batch shape and order (jaxtrain/data/, docs/data.md)."""
@@ -385,8 +412,27 @@ class DataConfig:
     # markov: synthetic Markov-chain data (no files); tokens: token files; text: .txt/.jsonl tokenized at open.
     # null = not chosen (the config import-hf writes): training refuses until data is named, so an
     # imported model is never fine-tuned on the synthetic Markov chain by accident.
-    source: Literal["markov", "tokens", "text", None] = "markov"
-    path: Optional[str] = None  # file, directory or glob (tokens/text sources; null for markov)
+    # arrayrecord / parquet / hf_datasets: records, Parquet files, or Hugging Face `datasets` saved to disk
+    # (or their .arrow/.parquet files), each row's text_field tokenized at open or its tokens_field read as ids.
+    source: Literal["markov", "tokens", "text", "arrayrecord", "parquet", "hf_datasets", None] = "markov"
+    path: Optional[str] = None  # file, directory or glob, local or gs:// / s3:// (null for markov and mixtures)
+    # What a row holds: `text` (documents, packed back to back), `chat` (a `messages` list, rendered with the
+    # tokenizer's chat template, loss on the assistant's tokens only) or `prompt_completion` (`prompt` and
+    # `completion` strings, loss on the completion).
+    format: Literal["text", "chat", "prompt_completion"] = "text"
+    # How rows are filled: concat (the stream cut every seq_len tokens; an example may continue in the next row)
+    # or first_fit (whole examples placed into rows, the rest padding). null = concat for text, first_fit otherwise.
+    packing: Literal["concat", "first_fit", None] = None
+    # format chat: a chat template file (.jinja) or a tokenizer directory / tokenizer_config.json that holds one
+    # (null = the directory of data.tokenizer).
+    chat_template: Optional[str] = None
+    tokens_field: Optional[str] = None  # arrayrecord/parquet/hf_datasets: the field of token ids (null: tokenize text_field)
+    # A weighted mixture of sources instead of data.path: a list of {path, weight, and optionally name, source,
+    # format, text_field, tokens_field, eval_only}; a component's unset keys come from this section.
+    mixture: list = dataclasses.field(default_factory=list)
+    mixture_unit: Literal["tokens", "documents"] = "tokens"  # what the weights count: tokens, or documents
+    # Weights that change during the run: a list of {step, weights: {name: weight}}, steps increasing.
+    mixture_schedule: list = dataclasses.field(default_factory=list)
     tokenizer: str = "bytes"  # `bytes` or a path to a Hugging Face tokenizers JSON file
     seq_len: int = 128  # tokens per row; documents are packed into rows (<= model.max_seq_len)
     global_batch_size: int = 8  # sequences per optimizer step, over all processes
@@ -413,8 +459,95 @@ class DataConfig:
         if self.source == "markov" and self.eval:  # it would be ignored: the markov source has its own held-out stream
             raise ConfigError(f"data.eval='{self.eval}' is for the tokens and text sources; data.source=markov evaluates "
                               "on its own held-out stream (remove data.eval)")
-        if self.source in ("tokens", "text") and not self.path:
+        if self.mixture:
+            if self.path or self.eval:
+                raise ConfigError("data.mixture replaces data.path and data.eval (mark held-out components "
+                                  "eval_only: true); remove data.path and data.eval")
+            self.mixture_phases()  # checks every component and the schedule
+        elif self.mixture_schedule:
+            raise ConfigError("data.mixture_schedule needs data.mixture")
+        elif self.source in FILE_SOURCES and not self.path:
             raise ConfigError(f"data.source={self.source} needs data.path (a file, directory or glob)")
+        if self.format != "text" and self.source in ("markov", "tokens"):
+            raise ConfigError(f"data.format={self.format} needs rows of text (data.source text, arrayrecord, parquet "
+                              f"or hf_datasets), not data.source={self.source}")
+        if self.format != "text" and self.tokens_field:
+            raise ConfigError(f"data.format={self.format} renders text rows; remove data.tokens_field")
+
+    def mixture_components(self) -> list[MixtureComponent]:
+        """`data.mixture` as components with this section's defaults filled in (checked; [] without a mixture)."""
+        out: list[MixtureComponent] = []
+        sources = [s for s in typing.get_args(typing.get_type_hints(DataConfig)["source"]) if s in FILE_SOURCES]
+        formats = choices(DataConfig, "format")
+        for i, c in enumerate(self.mixture):
+            key = f"data.mixture[{i}]"
+            if not isinstance(c, dict):
+                raise ConfigError(f"{key} must be a mapping with path and weight, got {c!r}")
+            unknown = sorted(set(c) - set(MIXTURE_COMPONENT_KEYS))
+            if unknown:
+                raise ConfigError(f"{key} has unknown key(s) {', '.join(map(str, unknown))} "
+                                  f"(known: {', '.join(MIXTURE_COMPONENT_KEYS)})")
+            path = c.get("path")
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"{key} needs a path (a file, directory or glob)")
+            eval_only = c.get("eval_only", False)
+            if not isinstance(eval_only, bool):
+                raise ConfigError(f"{key}.eval_only must be true or false, got {eval_only!r}")
+            weight = c.get("weight", None if not eval_only else 0.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or \
+                    (weight <= 0 and not eval_only):
+                raise ConfigError(f"{key}.weight must be a positive number, got {weight!r}")
+            source = c.get("source", self.source)
+            if source not in sources:
+                raise not_a_choice(f"{key}.source", source, tuple(sources))
+            fmt = c.get("format", self.format)
+            if fmt not in formats:
+                raise not_a_choice(f"{key}.format", fmt, formats)
+            name = c.get("name", Path(path.rstrip("/*")).stem or f"component{i}")
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{key}.name must be a non-empty string, got {name!r}")
+            text_field, tokens_field = c.get("text_field", self.text_field), c.get("tokens_field", self.tokens_field)
+            if not isinstance(text_field, str) or not (tokens_field is None or isinstance(tokens_field, str)):
+                raise ConfigError(f"{key}: text_field and tokens_field must be strings")
+            if fmt != "text" and source in ("tokens",):
+                raise ConfigError(f"{key}: format {fmt} needs rows of text, not source {source}")
+            out.append(MixtureComponent(name, path, float(weight), source, fmt, text_field, tokens_field, eval_only))
+        names = [c.name for c in out]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"data.mixture: component names repeat ({', '.join(names)}); set a distinct name for each")
+        if self.mixture and not any(not c.eval_only for c in out):
+            raise ConfigError("data.mixture has only eval_only components; at least one must be trained on")
+        if sum(c.eval_only for c in out) > 1:
+            raise ConfigError("data.mixture: at most one component may be eval_only (the held-out set)")
+        return out
+
+    def mixture_phases(self) -> list[MixturePhase]:
+        """The training weights from step 0 on and at each `data.mixture_schedule` step, normalised."""
+        train = [c for c in self.mixture_components() if not c.eval_only]
+        names = [c.name for c in train]
+
+        def normalised(weights: list[float]) -> tuple[float, ...]:
+            total = sum(weights)
+            return tuple(w / total for w in weights)
+
+        phases = [MixturePhase(0, normalised([c.weight for c in train]))]
+        for i, entry in enumerate(self.mixture_schedule):
+            key = f"data.mixture_schedule[{i}]"
+            if not isinstance(entry, dict) or set(entry) != {"step", "weights"}:
+                raise ConfigError(f"{key} must be a mapping {{step: N, weights: {{name: weight}}}}, got {entry!r}")
+            step, weights = entry["step"], entry["weights"]
+            if not isinstance(step, int) or isinstance(step, bool) or step <= phases[-1].step:
+                raise ConfigError(f"{key}.step must be an integer above the previous phase's step "
+                                  f"({phases[-1].step}), got {step!r}")
+            if not isinstance(weights, dict) or set(weights) - set(names):
+                raise ConfigError(f"{key}.weights must map training component names ({', '.join(names)}) to weights, "
+                                  f"got {weights!r}")
+            values = [weights.get(n, 0.0) for n in names]
+            if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+                   for w in values) or sum(values) <= 0:
+                raise ConfigError(f"{key}.weights must be non-negative numbers, not all zero, got {weights!r}")
+            phases.append(MixturePhase(step, normalised([float(w) for w in values])))
+        return phases
 
 
 @dataclasses.dataclass(frozen=True)

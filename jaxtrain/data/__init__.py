@@ -23,43 +23,74 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError, MixtureComponent
 from jaxtrain.data.markov import MarkovData
 from jaxtrain.data.packing import SequenceSource
-from jaxtrain.data.pipeline import PackedData, TrainData
+from jaxtrain.data.pipeline import PackedData, RowSource, TrainData
 from jaxtrain.data.sources import Corpus, open_text, open_tokens
 from jaxtrain.data.tokenizer import load_tokenizer
 
-# The last eval corpus opened, keyed by everything that decides its content: evaluation builds a
+# The last eval rows opened, keyed by everything that decides their content: evaluation builds a
 # fresh iterator each time, and re-tokenizing a text eval set every time would waste minutes.
-_eval_cache: dict[tuple, Corpus] = {}
+_eval_cache: dict[tuple, RowSource] = {}
 
 
-def open_corpus(cfg: Config, path: str, key: str) -> Corpus:
-    """Open `path` as the configured source (tokens or text), checked against model.vocab_size.
+def path_component(cfg: Config, path: str) -> MixtureComponent:
+    """`data.path` (or `data.eval`) read as the one component of a mixture: the same reading path for both."""
+    d = cfg.data
+    return MixtureComponent(name="data", path=path, weight=1.0, source=d.source, format=d.format,
+                            text_field=d.text_field, tokens_field=d.tokens_field, eval_only=False)
+
+
+def open_corpus(cfg: Config, component: MixtureComponent, key: str) -> Corpus:
+    """Open a `format: text` component's documents as one token stream, checked against model.vocab_size.
 
     Args:
       cfg: the config (data.* and model.vocab_size are used).
-      path: file, directory or glob.
-      key: config key named in error messages ('data.path' or 'data.eval').
-    Returns:
-      The corpus.
+      component: what to read (`path_component` for data.path).
+      key: config key named in error messages ('data.path', 'data.eval', 'data.mixture[1]').
     Raises:
       ConfigError: anything wrong with the files, the tokenizer or the ids.
     """
-    d = cfg.data
-    if d.source == "tokens":
-        return open_tokens(path, token_dtype=d.token_dtype, eod_id=d.eod_id, vocab_size=cfg.model.vocab_size, key=key)
+    d, c = cfg.data, component
+    if c.source == "tokens":
+        return open_tokens(c.path, token_dtype=d.token_dtype, eod_id=d.eod_id, vocab_size=cfg.model.vocab_size, key=key)
     tokenizer = load_tokenizer(d.tokenizer, d.eod_id)
-    return open_text(path, tokenizer, vocab_size=cfg.model.vocab_size, text_field=d.text_field, key=key)
+    if c.source == "text":
+        return open_text(c.path, tokenizer, vocab_size=cfg.model.vocab_size, text_field=c.text_field, key=key)
+    from jaxtrain.data.documents import open_documents  # pyarrow and array_record load only for these sources
+    return open_documents(c.source, c.path, tokenizer=tokenizer, text_field=c.text_field, tokens_field=c.tokens_field,
+                          vocab_size=cfg.model.vocab_size, key=key)
 
 
-def _eval_corpus(cfg: Config) -> Corpus:
+def open_rows(cfg: Config, component: MixtureComponent, key: str) -> RowSource:
+    """A component's packed training rows: documents back to back (`format: text`, data.packing concat) or
+    chat / prompt-completion examples with their loss masks (`examples.py`)."""
+    if component.format == "text":
+        if cfg.data.packing == "first_fit":
+            raise ConfigError("data.packing=first_fit packs examples (data.format chat or prompt_completion); "
+                              "documents (format text) are packed back to back (concat)")
+        return SequenceSource(open_corpus(cfg, component, key), cfg.data.seq_len)
+    from jaxtrain.data.examples import open_example_rows
+    return open_example_rows(cfg, component, key)
+
+
+def _eval_component(cfg: Config) -> tuple[MixtureComponent, str] | None:
     d = cfg.data
-    cache_key = (d.source, d.eval, d.tokenizer, d.eod_id, d.text_field, d.token_dtype, cfg.model.vocab_size)
+    if d.mixture:
+        held_out = [c for c in d.mixture_components() if c.eval_only]
+        return (held_out[0], "data.mixture (eval_only)") if held_out else None
+    return (path_component(cfg, d.eval), "data.eval") if d.eval else None
+
+
+def _eval_rows(cfg: Config) -> RowSource:
+    d = cfg.data
+    component, key = _eval_component(cfg)
+    cache_key = (component, d.tokenizer, d.eod_id, d.token_dtype, d.seq_len, d.packing, d.chat_template,
+                 cfg.model.vocab_size)
     if cache_key not in _eval_cache:
         _eval_cache.clear()
-        _eval_cache[cache_key] = open_corpus(cfg, d.eval, "data.eval")
+        _eval_cache[cache_key] = open_rows(cfg, component, key)
     return _eval_cache[cache_key]
 
 
@@ -78,19 +109,26 @@ def build_train_data(cfg: Config, process_index: int = 0, process_count: int = 1
         now, so a bad eval set fails before any file is written rather than at the first eval).
     """
     d = cfg.data
-    if d.source == "markov":
+    if d.source == "markov" and not d.mixture:
         return MarkovData(cfg, process_index, process_count, rows=rows)
-    corpus = open_corpus(cfg, d.path, "data.path")
-    if d.eval:
-        _eval_corpus(cfg)
-    return PackedData(SequenceSource(corpus, d.seq_len), global_batch=d.global_batch_size,
-                      process_index=process_index, process_count=process_count, seed=d.seed,
-                      shuffle=d.shuffle, repeat=True, prefetch=d.prefetch, rows=rows)
+    if _eval_component(cfg) is not None:
+        _eval_rows(cfg)
+    if d.mixture:
+        from jaxtrain.data.mixture import MixtureData
+        train = [(i, c) for i, c in enumerate(d.mixture_components()) if not c.eval_only]
+        sources = [open_rows(cfg, c, f"data.mixture[{i}] ({c.name})") for i, c in train]
+        data = MixtureData(cfg, [c for _, c in train], sources, process_index=process_index,
+                           process_count=process_count, rows=rows)
+    else:
+        data = PackedData(open_rows(cfg, path_component(cfg, d.path), "data.path"), global_batch=d.global_batch_size,
+                          process_index=process_index, process_count=process_count, seed=d.seed,
+                          shuffle=d.shuffle, repeat=True, prefetch=d.prefetch, rows=rows)
+    return data
 
 
 def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1, rows: Sequence[int] | None = None,
                     prefetch: int | None = None):
-    """The held-out iterator (data.eval), or None when no eval source is configured.
+    """The held-out iterator (data.eval, or the mixture's eval_only component), or None when there is none.
 
     The iterator passes over the eval set once, in file order, with no shuffle. `num_batches` is the
     number of global batches that hold the whole set (the last one partly padding when the set's
@@ -105,10 +143,11 @@ def build_eval_data(cfg: Config, process_index: int = 0, process_count: int = 1,
       prefetch: batches to build ahead (default data.prefetch; 0 when the reader jumps between batches).
     """
     d = cfg.data
-    if d.source == "markov":
+    if d.source == "markov" and not d.mixture:
         return MarkovData(cfg, process_index, process_count, stream=1, rows=rows) if cfg.train.eval_every else None
-    if not d.eval:
+    if _eval_component(cfg) is None:
         return None
-    return PackedData(SequenceSource(_eval_corpus(cfg), d.seq_len), global_batch=d.global_batch_size,
+    return PackedData(_eval_rows(cfg), global_batch=d.global_batch_size,
                       process_index=process_index, process_count=process_count, seed=d.seed,
-                      shuffle=False, repeat=False, prefetch=d.prefetch if prefetch is None else prefetch, rows=rows)
+                      shuffle=False, repeat=False, prefetch=d.prefetch if prefetch is None else prefetch, rows=rows,
+                      key=_eval_component(cfg)[1])

@@ -32,7 +32,19 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data.rows import process_rows_or_block
-from jaxtrain.data.packing import FIELDS, SequenceSource, padding_row
+from jaxtrain.data.packing import FIELDS, padding_row
+
+
+class RowSource(Protocol):
+    """Packed training rows by index (a Grain `RandomAccessDataSource`): `packing.SequenceSource` (documents
+    back to back) or `examples.ExampleRows` (chat / prompt-completion examples); each row a dict of
+    `packing.FIELDS`, each [seq_len]."""
+
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
 
 
 @runtime_checkable
@@ -130,12 +142,18 @@ class PackedData:
       entropy_floor: None (unknown for real data).
     """
 
-    def __init__(self, source: SequenceSource, *, global_batch: int, process_index: int, process_count: int,
-                 seed: int, shuffle: bool, repeat: bool, prefetch: int, rows: Sequence[int] | None = None):
+    def __init__(self, source: RowSource, *, global_batch: int, process_index: int, process_count: int,
+                 seed: int, shuffle: bool, repeat: bool, prefetch: int, rows: Sequence[int] | None = None,
+                 key: str = "data.path"):
         rows = process_rows_or_block(global_batch, process_index, process_count, rows)
         if len(source) == 0:
-            raise ConfigError(f"data.path: the data has {source.corpus.num_tokens} token(s); "
-                              "packing needs at least 2")
+            raise ConfigError(f"{key}: the data fills no training row (packing needs at least 2 tokens)")
+        if repeat and len(source) < global_batch:
+            # Training: every row of a global batch would repeat within the batch (and each process's share
+            # of the first epoch would not exist), so a corpus this small is a mistake, refused before anything starts.
+            raise ConfigError(f"{key}: the data fills {len(source)} row(s) of data.seq_len={source.seq_len} tokens, "
+                              f"fewer than one global batch (data.global_batch_size={global_batch}); add data or "
+                              "lower data.global_batch_size / data.seq_len")
         self.seq_len = source.seq_len
         self.global_batch = global_batch
         self.rows = rows

@@ -419,6 +419,8 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "truncated file": ([f"data.path={tmp}/trunc"], r"part-0.bin' has 2 tokens but .*meta.json says 5"),
         "eod disagrees": ([f"data.path={good}", "data.eod_id=5"], r"disagree on the end-of-document id"),
         "missing eval": ([f"data.path={good}", f"data.eval={tmp}/nope"], r"data.eval: .*nope' does not exist"),
+        "fewer rows than a global batch": ([f"data.path={good}"], r"data.path: the data fills 1 row\(s\) .* fewer than "
+                                           r"one global batch \(data.global_batch_size=8\)"),
         "jsonl without text": ([*text, f"data.path={tmp}/bad.jsonl"], r"bad.jsonl:2 has no string field 'text'"),
         "tokenizer missing": ([*text, f"data.path={tmp}/a.txt", f"data.tokenizer={tmp}/none.json"],
                               r"data.tokenizer: tokenizer file .*none.json' does not exist"),
