@@ -434,7 +434,8 @@ class Trainer:
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
                   "data_wait_interval_s": self._data_wait_since_log,  # summed since the last record
-                  "tokens_per_step": d.global_batch_size * d.seq_len}
+                  "tokens_per_step": d.global_batch_size * d.seq_len,
+                  **self.data.batch_stats(pending.batch)}  # a mixture's rows and tokens per component
         self._data_wait_since_log = 0.0
         if self.cfg.stability.z_loss > 0:
             record["z_loss"] = values["z_loss"]

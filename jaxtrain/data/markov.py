@@ -115,6 +115,10 @@ class MarkovData:
     def skip_batches(self, n: int) -> None:
         self.index += n
 
+    def batch_stats(self, position: int) -> dict:
+        """Nothing per batch (one synthetic source)."""
+        return {}
+
     def reset(self) -> None:
         self.index = 0
 

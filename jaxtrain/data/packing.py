@@ -23,6 +23,7 @@ at the boundary there is nothing to predict it from. Row layout, L = seq_len:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from jaxtrain.data.sources import Corpus
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+_SCAN = 1 << 24  # tokens per step when counting documents (bounded memory)
 
 
 def pack_window(window: np.ndarray, file_start: np.ndarray, seq_len: int, eod_id: Optional[int]) -> dict[str, np.ndarray]:
@@ -85,6 +87,16 @@ class SequenceSource:
 
     def __len__(self) -> int:
         return self._len
+
+    @functools.cached_property
+    def num_documents(self) -> int:
+        """Documents in the corpus: eod ids, plus a file that does not end with one (a scan, done once)."""
+        eod, total = self.corpus.eod_id, 0
+        for arr in self.corpus.arrays:
+            if eod is not None:
+                total += sum(int(np.count_nonzero(np.asarray(arr[i:i + _SCAN]) == eod)) for i in range(0, len(arr), _SCAN))
+            total += len(arr) > 0 and (eod is None or int(arr[len(arr) - 1]) != eod)
+        return total
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not 0 <= i < self._len:

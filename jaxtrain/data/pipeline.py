@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from typing import Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import grain
 import numpy as np
@@ -90,6 +90,11 @@ class TrainData(Protocol):
         """Skip the next `n` global batches (a rollback past a bad data window)."""
         ...
 
+    def batch_stats(self, position: int) -> dict:
+        """Fields for metrics.jsonl about global batch `position` (a mixture's rows and tokens per component;
+        {} for a single source)."""
+        ...
+
     def reset(self) -> None:
         """Back to the first batch."""
         ...
@@ -97,6 +102,17 @@ class TrainData(Protocol):
     def close(self) -> None:
         """Stop background threads (a later `next()` starts them again)."""
         ...
+
+
+def seeded_order(source: RowSource, seed: int, shuffle: bool, repeat: bool) -> grain.MapDataset:
+    """`source`'s rows in the global order: Grain's seeded index shuffle (a new one each epoch) when
+    `shuffle`, repeated endlessly when `repeat`; element g is a pure function of (seed, g)."""
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    if repeat:
+        ds = ds.repeat()  # reshuffles each epoch (the shuffle's seed moves with the epoch)
+    return ds
 
 
 class _Holder:
@@ -117,8 +133,8 @@ class _Rows:
     finalizer that closes the iterator would never run, and every unclosed iterator and its thread
     would live until exit."""
 
-    def __init__(self, samples: grain.MapDataset, rows: np.ndarray, padding: dict):
-        self.samples, self.rows, self.padding = samples, rows, padding
+    def __init__(self, samples: Any, rows: np.ndarray, padding: dict, fields: tuple[str, ...]):
+        self.samples, self.rows, self.padding, self.fields = samples, rows, padding, fields
 
     def batch(self, first_sample: int) -> dict[str, np.ndarray]:
         """This process's rows of the global batch that starts at global sample `first_sample`."""
@@ -127,7 +143,7 @@ class _Rows:
             g = first_sample + int(r)
             # Past the end of a non-repeating source (eval): padding, which the loss ignores.
             rows.append(self.samples[g] if g < len(self.samples) else self.padding)
-        return {k: np.stack([row[k] for row in rows]) for k in FIELDS}
+        return {k: np.stack([row[k] for row in rows]) for k in self.fields}
 
 
 class PackedData:
@@ -144,7 +160,10 @@ class PackedData:
 
     def __init__(self, source: RowSource, *, global_batch: int, process_index: int, process_count: int,
                  seed: int, shuffle: bool, repeat: bool, prefetch: int, rows: Sequence[int] | None = None,
-                 key: str = "data.path"):
+                 key: str = "data.path", samples: Any = None, fields: tuple[str, ...] = FIELDS):
+        """`samples`: the global sample sequence (`samples[g]` = global sample g, endless when repeating) in place
+        of `source`'s own seeded order (a mixture passes its mixed order; `source` then only gives the sizes);
+        `fields`: the keys of each batch."""
         rows = process_rows_or_block(global_batch, process_index, process_count, rows)
         if len(source) == 0:
             raise ConfigError(f"{key}: the data fills no training row (packing needs at least 2 tokens)")
@@ -161,12 +180,9 @@ class PackedData:
         self.num_sequences = len(source)
         self.num_batches = -(-self.num_sequences // global_batch)
         self.prefetch = prefetch
-        ds = grain.MapDataset.source(source)
-        if shuffle:
-            ds = ds.shuffle(seed=seed)
-        if repeat:
-            ds = ds.repeat()  # reshuffles each epoch (the shuffle's seed moves with the epoch)
-        self._rows = _Rows(ds, self.rows, padding_row(self.seq_len))
+        if samples is None:
+            samples = seeded_order(source, seed, shuffle, repeat)
+        self._rows = _Rows(samples, self.rows, padding_row(self.seq_len), fields)
         self.next_sample = 0
         self.last_wait_s = 0.0
         self.entropy_floor: Optional[float] = None
@@ -229,6 +245,10 @@ class PackedData:
     def reset(self) -> None:
         """Back to the first batch (eval: call before each evaluation)."""
         self.set_state({"next_sample": 0})
+
+    def batch_stats(self, position: int) -> dict:
+        """Nothing per batch for a single source (a mixture's rows per component: `mixture.MixtureData`)."""
+        return {}
 
     def close(self) -> None:
         """Stop the prefetch thread and drop its batches. A later `next()` starts it again."""
