@@ -381,6 +381,7 @@ class ModelConfig:
 # The keys a data.mixture component may set; those it leaves unset come from the data section.
 MIXTURE_COMPONENT_KEYS = ("path", "weight", "name", "source", "format", "text_field", "tokens_field", "eval_only")
 FILE_SOURCES = ("tokens", "text", "arrayrecord", "parquet", "hf_datasets")  # the sources read from data.path
+TOKENIZED_SOURCES = ("text", "arrayrecord", "parquet", "hf_datasets")  # rows of text, tokenized with data.tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1134,7 +1135,7 @@ def validate_cross_section(cfg: Config) -> None:
             f"data.markov_states={d.markov_states} must be between 2 and model.vocab_size={m.vocab_size}")
     if d.eod_id is not None and not 0 <= d.eod_id < m.vocab_size:
         raise ConfigError(f"data.eod_id={d.eod_id} must be within [0, model.vocab_size={m.vocab_size})")
-    if d.source == "text" and d.tokenizer == "bytes" and m.vocab_size < 257:
+    if d.source in TOKENIZED_SOURCES and d.tokenizer == "bytes" and m.vocab_size < 257:
         raise ConfigError(f"data.tokenizer=bytes needs model.vocab_size >= 257 (256 byte values + the "
                           f"end-of-document id 256), got {m.vocab_size}")
     # mesh x pipeline / context x model, data, train (a -1 axis is checked in phase 2, once its size is known)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import yaml
 
-from jaxtrain.config import Config, ConfigError, from_dict, load_config
+from jaxtrain.config import TOKENIZED_SOURCES, Config, ConfigError, from_dict, load_config
 from jaxtrain.storage import object_store, small_files
 from jaxtrain.storage.paths import is_remote, join
 
@@ -107,8 +107,8 @@ def run_tokenizer(cfg: Config) -> tuple[Optional[str], Optional[int], bool]:
             return meta.get("tokenizer"), meta["eod_id"], True
     spec = d.tokenizer
     if spec == "bytes":  # token files without meta.json may come from anywhere: not known
-        return ("bytes", BYTES_EOD_ID, True) if d.source == "text" else (None, d.eod_id, False)
-    known = d.source in ("tokens", "text")
+        return ("bytes", BYTES_EOD_ID, True) if d.source in TOKENIZED_SOURCES else (None, d.eod_id, False)
+    known = d.source == "tokens" or d.source in TOKENIZED_SOURCES
     if is_remote(spec) or not Path(spec).expanduser().is_file():
         return spec, d.eod_id, known  # gone since training: reported, not copied
     return spec, load_tokenizer(spec, d.eod_id).eod_id, known
