@@ -178,7 +178,7 @@ ALLOWED = {
     "train": {"data", "model", "parallel", "runtime", "storage"},  # the step, its data and state
     "model": {"kernels", "parallel"},  # attention kernels; sharding by logical names
     "parallel": set(),
-    "data": set(),
+    "data": {"runtime", "storage"},  # remote data files: the bucket's client (storage) and the cache folder (runtime.env)
     "runtime": {"storage"},  # the compilation cache lives in the run directory
     "storage": set(),
 }

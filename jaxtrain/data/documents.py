@@ -4,19 +4,136 @@ Hugging Face `datasets` files.
 - `iter_rows(source, spec, key)` yields `(where, row)` for every row in file order: `row` a dict of the
   row's fields, `where` "file:row" for messages. Chat and prompt/completion data read their rows here.
 - `open_documents(...)` (the record sources with `data.format: text`) gives a `Corpus`: each row's
-  `text_field` tokenized, or its `tokens_field` read as ids.
+  `text_field` tokenized at open, or its `tokens_field` read as ids.
+- `DocumentStream`: documents read by index as one stream of ids with the eod id after each, the
+  form a `Corpus` holds a file of token-id documents in without reading it.
 
-(In progress: the ArrayRecord, Parquet and `datasets` readers land in their own modules.)
+Each format has its module (`arrayrecord_source.py`, `parquet_source.py`, `hf_datasets_source.py`:
+reading a file's rows, texts and token documents); gs:// and s3:// paths are copied to local disk
+first (`remote_files.py`). pyarrow and array_record are imported only when such a file is read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 from pathlib import Path
-from typing import Iterator
+from types import ModuleType
+from typing import Callable, Iterator, Optional
+
+import numpy as np
 
 from jaxtrain.config import ConfigError
-from jaxtrain.data.sources import resolve_paths
+from jaxtrain.data import arrayrecord_source, hf_datasets_source, parquet_source
+from jaxtrain.data.record_fields import TokenDocuments
+from jaxtrain.data.remote_files import local_files, source_url
+from jaxtrain.data.sources import Corpus, check_vocab
+from jaxtrain.data.tokenizer import Tokenizer
+
+_FORMATS: dict[str, ModuleType] = {"arrayrecord": arrayrecord_source, "parquet": parquet_source,
+                                   "hf_datasets": hf_datasets_source}
+_SIDECARS = {"arrayrecord": arrayrecord_source.SIDECARS, "parquet": (), "hf_datasets": hf_datasets_source.SIDECARS}
+_ENCODE_DOCS = 256  # documents per tokenizer call (as sources.tokenize_files)
+
+
+class DocumentStream:
+    """Documents read by index as one token stream, the eod id after each: an entry of `Corpus.arrays`.
+
+    `len()` is the stream's length (ids plus one eod per document) and `[lo:hi]` (or `[i]`) reads only
+    the documents that the slice touches (found by `np.searchsorted` over the documents' ends). Empty
+    documents add nothing, not even an eod (as empty texts in `sources.tokenize_files`). With
+    `eod_id` None the documents run together; a file still starts a document (`Corpus.read`).
+    """
+
+    def __init__(self, lengths: np.ndarray, read: Callable[[int], np.ndarray], eod_id: Optional[int],
+                 dtype: np.dtype = np.dtype(np.uint32)):
+        """`lengths`: ids per document (no eod); `read(i)`: document i's ids; `dtype`: of the slices returned."""
+        lengths = np.asarray(lengths, np.int64)
+        self._docs = np.flatnonzero(lengths > 0)  # stream document k is document _docs[k] of the file
+        self._lengths = lengths[self._docs]
+        self._ends = np.cumsum(self._lengths + (eod_id is not None))  # where each document's part ends
+        self._read, self.eod_id, self.dtype = read, eod_id, np.dtype(dtype)
+        self.num_documents = len(self._docs)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int | slice) -> np.ndarray:
+        if not isinstance(index, slice):
+            i = index + len(self) if index < 0 else index
+            if not 0 <= i < len(self):
+                raise IndexError(f"token {index} out of range [0, {len(self)})")
+            return self[i:i + 1][0]
+        lo, hi, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("a DocumentStream is sliced with step 1 only")
+        if hi <= lo:
+            return np.zeros(0, self.dtype)
+        first = int(np.searchsorted(self._ends, lo, side="right"))  # the document holding token lo
+        last = int(np.searchsorted(self._ends, hi - 1, side="right"))  # ... and token hi - 1
+        parts = []
+        for k in range(first, last + 1):
+            ids = np.asarray(self._read(int(self._docs[k])))
+            if len(ids) != self._lengths[k]:
+                raise ValueError(f"document {self._docs[k]} holds {len(ids)} ids, not the {self._lengths[k]} it "
+                                 "held when opened (the file changed while training)")
+            start = int(self._ends[k]) - len(ids) - (self.eod_id is not None)
+            if self.eod_id is not None:
+                ids = np.append(ids.astype(self.dtype, copy=False), np.asarray(self.eod_id, self.dtype))
+            parts.append(ids[max(lo - start, 0):min(hi - start, len(ids))].astype(self.dtype, copy=False))
+        return np.concatenate(parts)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _files(source: str, spec: str, key: str) -> list[Path]:
+    """The local files of a record source, in reading order (remote ones copied first)."""
+    fmt = _FORMATS[source]
+    if source == "hf_datasets":
+        hf_datasets_source.refuse_dataset_dict(spec, key)
+    files = local_files(spec, key, fmt.SUFFIXES, _SIDECARS[source])
+    if source == "hf_datasets":
+        files = hf_datasets_source.data_files(files, key)
+    return files
+
+
+@contextlib.contextmanager
+def _named(path: Path) -> Iterator[None]:
+    """Errors about a cached copy of a bucket's object name the object's URL, which the user wrote."""
+    try:
+        yield
+    except ConfigError as e:
+        url = source_url(path)
+        if url is None:
+            raise
+        raise ConfigError(str(e).replace(str(path), url)) from None
+
+
+def iter_rows(source: str, spec: str, key: str) -> Iterator[tuple[str, dict]]:
+    """Every row of the files `spec` names, in file order, as `(where, fields)`.
+
+    Args:
+      source: data.source (text: .jsonl lines; arrayrecord: JSON records; parquet; hf_datasets).
+      spec: file, directory or glob; local, gs:// or s3://.
+      key: config key named in error messages.
+    Raises:
+      ConfigError: missing files, unreadable files or rows.
+    """
+    if source == "text":
+        for f in local_files(spec, key, (".jsonl",)):
+            with _named(f):
+                if f.suffix != ".jsonl":
+                    raise ConfigError(f"{key}: '{f}' is not a .jsonl file; rows of chat or prompt/completion data "
+                                      "are JSON lines")
+                yield from _jsonl_rows(f, key)
+        return
+    if source not in _FORMATS:
+        raise ConfigError(f"{key}: data.source={source} has no rows (it holds token ids)")
+    for f in _files(source, spec, key):
+        with _named(f):
+            yield from _FORMATS[source].iter_rows(f, key)
 
 
 def _jsonl_rows(path: Path, key: str) -> Iterator[tuple[str, dict]]:
@@ -33,21 +150,79 @@ def _jsonl_rows(path: Path, key: str) -> Iterator[tuple[str, dict]]:
             yield f"{path}:{lineno}", obj
 
 
-def iter_rows(source: str, spec: str, key: str) -> Iterator[tuple[str, dict]]:
-    """Every row of the files `spec` names, in file order, as `(where, fields)`.
+# ----------------------------------------------------------------------------- documents
+
+
+def _tokenize(batches: Iterator[list[str]], tokenizer: Tokenizer) -> np.ndarray:
+    """Texts tokenized in order, each followed by the eod id (empty ones left out), as one array."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32  # halves a small vocabulary's memory
+    eod = np.array([tokenizer.eod_id], dtype)
+    parts: list[np.ndarray] = []
+    texts = itertools.chain.from_iterable(batches)
+    while batch := list(itertools.islice(texts, _ENCODE_DOCS)):
+        for ids in tokenizer.encode_batch([t for t in batch if t]):
+            if len(ids):
+                parts += [ids.astype(dtype), eod]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def open_documents(source: str, spec: str, *, tokenizer: Tokenizer, text_field: str, tokens_field: Optional[str],
+                   vocab_size: int, key: str) -> Corpus:
+    """The documents of a record source as one token stream (each document followed by the eod id).
+
+    Without `tokens_field`, every row's `text_field` is tokenized now, once per process, into memory.
+    With it, every row's `tokens_field` holds the document's ids: ArrayRecord files and Arrow files
+    (`.arrow`, `datasets` folders) are read by record when a training row needs them (one
+    `DocumentStream` per file); Parquet files are read column-wise now and kept in memory (Parquet has
+    no cheap read by row). ArrayRecord token files from `prepare-data` (recognised by their meta.json)
+    are read by record too, with meta.json's eod id, whatever the fields say.
 
     Args:
-      source: data.source (text: .jsonl lines; arrayrecord, parquet, hf_datasets).
-      spec: file, directory or glob.
+      source: data.source: arrayrecord, parquet or hf_datasets.
+      spec: file, directory or glob; local, gs:// or s3:// (copied to local disk first: `remote_files`).
+      tokenizer: from `load_tokenizer(data.tokenizer)`; its eod id ends the documents.
+      text_field: data.text_field, the field or column of text.
+      tokens_field: data.tokens_field, the field or column of token-id lists (None: tokenize the text).
+      vocab_size: model.vocab_size; every id must be below it.
       key: config key named in error messages.
+    Returns:
+      The corpus, one entry per file.
     Raises:
-      ConfigError: missing files, unreadable rows.
+      ConfigError: a missing path, an unreadable file, a missing column, a text that is not a string,
+        token ids that are not a list of non-negative integers, files that disagree on the eod id, no
+        documents at all, or ids >= vocab_size (one line each, naming the key and the file).
     """
-    if source == "text":
-        for f in resolve_paths(spec, key, (".jsonl",)):
-            if f.suffix != ".jsonl":
-                raise ConfigError(f"{key}: '{f}' is not a .jsonl file; rows of chat or prompt/completion data are "
-                                  "JSON lines")
-            yield from _jsonl_rows(f, key)
-        return
-    raise ConfigError(f"{key}: rows of data.source={source} are not readable yet")
+    fmt = _FORMATS[source]
+    arrays: list[np.ndarray | DocumentStream] = []
+    names: list[str] = []
+    eods: dict[str, int] = {}
+    max_id = 0
+    for f in _files(source, spec, key):
+        with _named(f):
+            meta = arrayrecord_source.prepared_meta(f, key) if source == "arrayrecord" else None
+            if meta is not None or tokens_field:
+                docs: TokenDocuments = (arrayrecord_source.prepared_documents(f, meta, key) if meta is not None
+                                        else fmt.token_documents(f, tokens_field, key))
+                eod = meta["eod_id"] if meta is not None else tokenizer.eod_id
+                arr = DocumentStream(docs.lengths, docs.read, eod)
+                max_id = max(max_id, docs.max_id if arr.num_documents else 0, eod)
+            else:
+                eod = tokenizer.eod_id
+                arr = _tokenize(fmt.texts(f, text_field, key), tokenizer)
+                max_id = max(max_id, int(arr.max()) if len(arr) else 0)
+        name = source_url(f) or str(f)
+        eods[name] = eod
+        if len(arr):  # an empty entry would break Corpus.read's walk over files
+            arrays.append(arr)
+            names.append(name)
+    distinct = sorted(set(eods.values()))
+    if len(distinct) > 1:
+        where = ", ".join(f"{f}: {e}" for f, e in list(eods.items())[:4])
+        raise ConfigError(f"{key}: files disagree on the end-of-document id ({where}); prepare-data's files keep "
+                          "their tokenizer's, the others use data.tokenizer's")
+    if not arrays:
+        raise ConfigError(f"{key}: '{spec}' holds no documents (every row's "
+                          f"{'data.tokens_field' if tokens_field else 'data.text_field'} is empty)")
+    corpus = Corpus(arrays, names, distinct[0], max_id)
+    check_vocab(corpus, vocab_size, key)
+    return corpus

@@ -93,6 +93,9 @@ class SequenceSource:
         """Documents in the corpus: eod ids, plus a file that does not end with one (a scan, done once)."""
         eod, total = self.corpus.eod_id, 0
         for arr in self.corpus.arrays:
+            if hasattr(arr, "num_documents"):  # a DocumentStream knows its count without reading
+                total += arr.num_documents
+                continue
             if eod is not None:
                 total += sum(int(np.count_nonzero(np.asarray(arr[i:i + _SCAN]) == eod)) for i in range(0, len(arr), _SCAN))
             total += len(arr) > 0 and (eod is None or int(arr[len(arr) - 1]) != eod)

@@ -40,8 +40,12 @@ HOST_MALLOC = "JAXTRAIN_HOST_MALLOC"
 # Unset: `jaxtrain/peak_flops.json` in the user cache folder ($XDG_CACHE_HOME, else ~/.cache).
 PEAK_CACHE = "JAXTRAIN_PEAK_CACHE"
 
+# Where data files named by gs:// / s3:// URLs are copied before reading (`data/remote_files.py`).
+# Unset: `jaxtrain/data` in the user cache folder ($XDG_CACHE_HOME, else ~/.cache).
+DATA_CACHE = "JAXTRAIN_DATA_CACHE"
+
 ALL = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, AUTO_DISTRIBUTED, RESTART_ATTEMPT, SLOT, SLURM_STATE, EXITS, HOST,
-       HOST_MALLOC, PEAK_CACHE)
+       HOST_MALLOC, PEAK_CACHE, DATA_CACHE)
 
 # Settings of the setup scripts themselves, never read by a jaxtrain process.
 SCRIPT_SETTINGS = (
@@ -72,3 +76,11 @@ def peak_cache_file(environ: os._Environ | dict = os.environ) -> str | None:
         return environ[PEAK_CACHE] or None
     base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxtrain", "peak_flops.json")
+
+
+def data_cache_dir(environ: os._Environ | dict = os.environ) -> str:
+    """Where remote data files are kept once copied (JAXTRAIN_DATA_CACHE, else the user cache folder)."""
+    if environ.get(DATA_CACHE):
+        return environ[DATA_CACHE]
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxtrain", "data")
