@@ -203,3 +203,35 @@ def test_a_missing_component_path_names_the_component(corpora, tmp_path):
                              f"data.mixture=[{{path: '{corpora['web']}', weight: 1}}, {{path: '{tmp_path}/nope', weight: 1}}]"])
     with pytest.raises(ConfigError, match=r"data.mixture\[1\] \(nope\): .*nope' does not exist"):
         build_train_data(cfg)
+
+
+def test_a_mixture_of_documents_and_prompt_completion_examples(tmp_path):
+    """Components of different formats mix: plain text documents and prompt/completion examples (bytes
+    tokenizer), counted in documents; rows from the examples learn only completions."""
+    import json
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": "plain text number %d " % i * 3}) + "\n"
+                                                 for i in range(200)))
+    pairs = [{"prompt": f"Q{i}: ", "completion": f"A{i}!"} for i in range(300)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    cfg = load_config(None, ["data.source=text", "model.vocab_size=257", "data.seq_len=32", "data.global_batch_size=8",
+                             "data.prefetch=0", "data.mixture_unit=documents",
+                             f"data.mixture=[{{path: '{tmp_path}/docs.jsonl', weight: 1}}, "
+                             f"{{path: '{tmp_path}/pairs.jsonl', weight: 1, format: prompt_completion}}]"])
+    data = build_train_data(cfg)
+    batches = draw(data, 60)
+    rows = [(b["tokens"][i], b["targets"][i], b["loss_mask"][i], int(b["component"][i]))
+            for b in batches for i in range(8)]
+    assert {c for *_, c in rows} == {0, 1}
+    for tokens, targets, mask, c in rows:
+        learned = bytes(int(t) for t, m in zip(targets, mask) if m and t < 256).decode()
+        if c == 1:  # only completions ("A<i>!") and their eod are learned, never a prompt
+            assert "Q" not in learned and ":" not in learned and learned.replace("A", "").replace("!", "").isdigit()
+        else:  # a piece of the documents' text, and nothing of the examples
+            text = bytes(int(t) for t in tokens if 0 < t < 256).decode()
+            assert set(text) <= set("plain text number 0123456789") and text
+    # Documents, not rows, follow the equal weights: documents drawn per component are about equal.
+    from jaxtrain.data import open_rows
+    sources = [open_rows(cfg, c, "test") for c in cfg.data.mixture_components()]
+    drawn = [sum(c == k for *_, c in rows) * s.num_documents / len(s) for k, s in enumerate(sources)]
+    assert 0.6 < drawn[0] / drawn[1] < 1.6, drawn
