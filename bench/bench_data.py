@@ -1,119 +1,388 @@
-"""Data pipeline throughput: tokens/s the iterator produces, next to what a training step consumes.
+"""Data throughput: tokens/s each source produces on one CPU core, beside what the cpu-tiny step consumes.
 
-  python bench/bench_data.py [--tokens 16000000] [--batches 200]
+    python bench/bench_data.py [--max-bytes 3000000] [--vocab 8192] [--seconds 3] [--short 3 --long 11]
+                               [--core N] [--out FILE.json]
 
-Measures, on one process:
-  1. the packed-batch iterator alone (no prefetch: the pure production rate) at the cpu-tiny
-     shape (seq 256, batch 8, vocab 32000) and at a GPU-sized shape (seq 4096, batch 16),
-     and this process's share when 4 processes split the batch;
-  2. how long `next()` waits (last_wait_s) with prefetch=2 behind a simulated 50 ms step;
-  3. `prepare-data` with the bytes tokenizer on Python's standard library (MB/s of text).
-The token files are freshly written, so they sit in the page cache: this is the warm-cache rate.
-Prints a markdown table for docs/data.md.
+Real text made at bench time from files on the machine: the Python standard library's top-level
+modules (empty ones left out) and their docstrings, a byte-level BPE trained on them with
+`tokenizers`, written as every source: token files (`prepare-data`), .txt files and a .jsonl file
+(tokenized at open), ArrayRecord (`prepare-data --output-format arrayrecord`, and JSON text records),
+Parquet and a `datasets.Dataset.save_to_disk` folder (a text column and a token column each), and
+chat rows (the docstrings as assistant replies, `data.format=chat`, a ChatML template).
+
+Each source is measured in its own child process pinned to one core (`os.sched_setaffinity`, one
+thread for Eigen, tokenizers/rayon and OpenMP) with the cpu-tiny batch shape and `data.prefetch=0`,
+so the producer itself is timed, not a prefetch thread on another core:
+  - open: `build_train_data(cfg)` plus the first batch (tokenizing at open included: the text
+    columns; token files and token columns only read lengths or ids);
+  - steady state: `next()` for `--seconds`, tokens/s = batches x batch x seq_len / time (padding
+    positions included: they are what the step consumes).
+Beside each own timer, the outside wall clock of the child processes (T: the faster of two runs):
+open = T(open only) - T(a child that only imports jaxtrain.data), so it also holds the format's library
+imports and the exit; rate = batches x tokens / (T(timed run) - T(open only)).
+
+The consumer: `jaxtrain train --config configs/bench/cpu-tiny.yaml --cpu-devices 1` on the token files
+(real text, all cores, its own XLA flags), run for --short and --long steps: tokens/s = 2048 / the
+loop's median `step_time_s` (own), (long - short) x 2048 / (T(long) - T(short)) (outside); and the
+goodput report's data-wait share of the long run. The ratio source / consumer has a target of >= 10x.
+
+Prints progress and a markdown table to stderr, one JSON line (everything) last on stdout.
+docs/benchmarks.md records the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
+import inspect
+import json
+import os
+import platform
 import shutil
-import sysconfig
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from jaxtrain.config import load_config
-from jaxtrain.data import build_train_data
-from jaxtrain.data.prepare import prepare
-from jaxtrain.data.sources import write_meta
-
-VOCAB = 32000
-
-
-def make_corpus(path: Path, num_tokens: int) -> None:
-    """Random ids < VOCAB with an eod every ~800 tokens (geometric document lengths)."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB - 1, num_tokens, dtype=np.uint16)
-    eod = VOCAB - 1
-    tokens[rng.random(num_tokens) < 1 / 800] = eod
-    path.mkdir(parents=True)
-    tokens.astype("<u2").tofile(path / "tokens-00000.bin")
-    write_meta(path / "meta.json", dtype="uint16", eod_id=eod, vocab_size=VOCAB, max_id=int(tokens.max()),
-               tokenizer="synthetic", files={"tokens-00000.bin": num_tokens},
-               num_documents=int((tokens == eod).sum()))
+REPO = Path(__file__).resolve().parents[1]
+CPU_TINY = REPO / "configs/bench/cpu-tiny.yaml"
+EOT = "<|endoftext|>"
+TARGET = 10.0
+# The child's threads: one core by affinity; these keep thread pools from sizing themselves to the machine.
+ONE_THREAD_ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1",
+                  "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1",
+                  "OMP_NUM_THREADS": "1"}
+# A ChatML template whose replies are `{% generation %}` blocks (the loss mask comes from them).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+                 "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+                 "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}")
 
 
-def iterator_rate(corpus: Path, seq_len: int, batch: int, batches: int, process_count: int = 1) -> float:
-    """Tokens/s of this process's rows, produced synchronously (prefetch 0)."""
-    cfg = load_config(None, ["data.source=tokens", f"data.path={corpus}", f"model.vocab_size={VOCAB}",
-                             f"model.max_seq_len={seq_len}", f"data.seq_len={seq_len}",
-                             f"data.global_batch_size={batch}", "data.prefetch=0"])
-    it = build_train_data(cfg, 0, process_count)
-    next(it)  # warm up (Grain graph, first pages)
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+# ---- the corpus ---------------------------------------------------------------------------------------
+
+
+def stdlib_sources(max_bytes: int) -> list[Path]:
+    """Non-empty top-level modules of this interpreter's standard library (sorted, no symlinks), up to max_bytes."""
+    lib = Path(os.path.dirname(json.__path__[0]))
+    files, total = [], 0
+    for f in sorted(lib.glob("*.py")):
+        if f.is_symlink() or not f.is_file() or f.stat().st_size == 0 or total + f.stat().st_size > max_bytes:
+            continue
+        files.append(f)
+        total += f.stat().st_size
+    return files
+
+
+def docstrings(files: list[Path]) -> list[tuple[str, str]]:
+    """(name, docstring) of every module, class and function of `files` with a docstring of >= 40 characters."""
+    out = []
+    for f in files:
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40:
+                    out.append((f"{f.stem}.{getattr(node, 'name', '')}".rstrip("."), doc))
+    return out
+
+
+def train_tokenizer(files: list[Path], path: Path, vocab_size: int) -> None:
+    """A byte-level BPE (GPT-2 style) with `<|endoftext|>` as id 0, trained on `files`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    tok.save(str(path))
+
+
+def build_corpus(root: Path, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """Every source's files under `root`: {name: (data.* overrides)}, and notes on what could not be written."""
+    from jaxtrain.data import documents
+    from jaxtrain.data.prepare import prepare
+
+    files = stdlib_sources(args.max_bytes)
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    (root / "txt").mkdir()
+    for f, text in zip(files, texts):
+        (root / "txt" / f"{f.stem}.txt").write_text(text, encoding="utf-8")
+    with open(root / "docs.jsonl", "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    tokenizer = root / "tokenizer.json"
+    train_tokenizer(list((root / "txt").glob("*.txt")), tokenizer, args.vocab)
+    quiet = open(os.devnull, "w")
+    summary = prepare([str(root / "txt")], str(root / "tokens"), tokenizer=str(tokenizer), progress=quiet)
+    info = {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "tokens": summary["num_tokens"],
+            "documents": summary["num_documents"], "vocab": args.vocab}
+    from tokenizers import Tokenizer
+    ids = [e.ids for e in Tokenizer.from_file(str(tokenizer)).encode_batch(texts, add_special_tokens=False)]
+
+    tok = [f"data.tokenizer={tokenizer}"]
+    sources: dict[str, list[str]] = {
+        "tokens (prepare-data)": ["data.source=tokens", f"data.path={root / 'tokens'}"],
+        "text, .txt files": ["data.source=text", f"data.path={root / 'txt'}", *tok],
+        "text, .jsonl": ["data.source=text", f"data.path={root / 'docs.jsonl'}", *tok],
+    }
+    notes = []
+    records = hasattr(documents, "open_documents")
+    if not records:
+        notes.append("arrayrecord, parquet, hf_datasets: jaxtrain.data.documents has no open_documents yet")
+    if records and "output_format" in inspect.signature(prepare).parameters:
+        prepare([str(root / "txt")], str(root / "ar-tokens"), tokenizer=str(tokenizer), progress=quiet,
+                output_format="arrayrecord")
+        sources["arrayrecord (prepare-data --output-format arrayrecord)"] = [
+            "data.source=arrayrecord", f"data.path={root / 'ar-tokens'}", *tok]
+    elif records:
+        notes.append("arrayrecord token records: prepare-data has no --output-format arrayrecord yet")
+    if records:
+        from array_record.python.array_record_module import ArrayRecordWriter
+        (root / "ar-json").mkdir()
+        writer = ArrayRecordWriter(str(root / "ar-json/part-00000.arrayrecord"), "group_size:1")
+        for t in texts:
+            writer.write(json.dumps({"text": t}).encode())
+        writer.close()
+        sources["arrayrecord, JSON text records"] = ["data.source=arrayrecord", f"data.path={root / 'ar-json'}", *tok]
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        table = pa.table({"text": texts, "tokens": pa.array(ids, pa.list_(pa.int32()))})
+        pq.write_table(table, root / "docs.parquet")
+        sources["parquet, text column"] = ["data.source=parquet", f"data.path={root / 'docs.parquet'}", *tok]
+        sources["parquet, token column"] = ["data.source=parquet", f"data.path={root / 'docs.parquet'}",
+                                            "data.tokens_field=tokens", *tok]
+
+        import datasets
+        datasets.disable_progress_bars()
+        datasets.Dataset.from_dict({"text": texts, "tokens": ids}).save_to_disk(str(root / "hf"))
+        sources["hf_datasets, text column"] = ["data.source=hf_datasets", f"data.path={root / 'hf'}", *tok]
+        sources["hf_datasets, token column"] = ["data.source=hf_datasets", f"data.path={root / 'hf'}",
+                                                "data.tokens_field=tokens", *tok]
+
+    if importlib.util.find_spec("jaxtrain.data.examples") is not None and hasattr(documents, "iter_rows"):
+        chats = docstrings(files)[:args.chat_examples]
+        with open(root / "chat.jsonl", "w", encoding="utf-8") as fh:
+            for name, doc in chats:
+                fh.write(json.dumps({"messages": [{"role": "user", "content": f"What is {name}?"},
+                                                  {"role": "assistant", "content": doc}]}) + "\n")
+        (root / "chatml.jinja").write_text(CHAT_TEMPLATE)
+        sources[f"chat ({len(chats):,} docstrings, .jsonl, first_fit)"] = [
+            "data.source=text", "data.format=chat", f"data.path={root / 'chat.jsonl'}",
+            f"data.chat_template={root / 'chatml.jinja'}", *tok]
+        info["chat_examples"] = len(chats)
+    else:
+        notes.append("chat: jaxtrain.data.examples does not exist yet")
+    return {"info": info, "sources": sources}, notes
+
+
+# ---- one source, in a child pinned to one core ------------------------------------------------------
+
+
+def child(spec: dict) -> dict:
+    """Runs in the child: open, first batch, then `next()` for spec['seconds'] (0: open only)."""
+    from jaxtrain.config import load_config
+    from jaxtrain.data import build_train_data
+
+    if spec.get("overrides") is None:
+        return {}  # the import-only baseline
+    cfg = load_config(None, spec["overrides"])
     t0 = time.perf_counter()
-    for _ in range(batches):
-        next(it)
-    dt = time.perf_counter() - t0
-    it.close()
-    return batches * (batch // process_count) * seq_len / dt
-
-
-def wait_behind_step(corpus: Path, step_s: float, steps: int) -> tuple[float, float]:
-    """Mean and max last_wait_s with prefetch=2 when each step takes `step_s`."""
-    cfg = load_config(None, ["data.source=tokens", f"data.path={corpus}", f"model.vocab_size={VOCAB}",
-                             "model.max_seq_len=256", "data.seq_len=256", "data.global_batch_size=8",
-                             "data.prefetch=2"])
     it = build_train_data(cfg)
-    next(it)
-    waits = []
-    for _ in range(steps):
-        time.sleep(step_s)  # the "training step"; the prefetch thread works meanwhile
-        next(it)
-        waits.append(it.last_wait_s)
-    it.close()
-    return float(np.mean(waits)), float(np.max(waits))
-
-
-def prepare_rate(tmp: Path) -> tuple[float, float, int]:
-    """MB/s and tokens/s of prepare-data (bytes tokenizer) on the stdlib's top-level .py files."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(Path(stdlib).glob("*.py"))
-    size = sum(f.stat().st_size for f in files)
+    first = next(it)
+    open_s = time.perf_counter() - t0
+    rows, batches, segments = first["tokens"].shape, 0, []
     t0 = time.perf_counter()
-    s = prepare([f"{stdlib}/*.py"], str(tmp / "stdlib"), progress=open("/dev/null", "w"))
-    dt = time.perf_counter() - t0
-    return size / dt / 1e6, s["num_tokens"] / dt, size
+    while spec["seconds"] > 0 and (batches % 16 or time.perf_counter() - t0 < spec["seconds"]):
+        segments.append(next(it)["segment_ids"])
+        batches += 1
+    timed_s = time.perf_counter() - t0
+    it.close()
+    return {"open_s": open_s, "batches": batches, "timed_s": timed_s, "tokens_per_batch": rows[0] * rows[1],
+            "real_fraction": (sum(int((s > 0).sum()) for s in segments) / (batches * rows[0] * rows[1])
+                              if batches else None),
+            "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def run_child(spec: dict, core: int) -> tuple[float, dict]:
+    """(outside wall seconds, the child's result) of one pinned child process."""
+    env = dict(os.environ, **ONE_THREAD_ENV)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--core", str(core)]
+    t = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    wall = time.perf_counter() - t
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc={done.returncode}")
+    return wall, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_source(overrides: list[str], core: int, seconds: float, baseline_s: float) -> dict:
+    """One source: open-only twice (the faster counts) and one timed run, each a pinned child."""
+    (opened_wall, opened), _ = sorted((run_child({"overrides": overrides, "seconds": 0}, core) for _ in range(2)),
+                                      key=lambda x: x[0])
+    timed_wall, timed = run_child({"overrides": overrides, "seconds": seconds}, core)
+    tokens = timed["batches"] * timed["tokens_per_batch"]
+    return {"open_s": round(opened["open_s"], 3), "open_outside_s": round(opened_wall - baseline_s, 3),
+            "tokens_per_s": round(tokens / timed["timed_s"]),
+            "tokens_per_s_outside": round(tokens / max(timed_wall - opened_wall, 1e-9)),
+            "batches": timed["batches"], "non_padding": round(timed["real_fraction"], 4),
+            "affinity": timed["affinity"]}
+
+
+# ---- the consumer: the cpu-tiny step ----------------------------------------------------------------
+
+
+def train_run(tokens_dir: Path, steps: int, out: Path) -> float:
+    """Outside wall seconds of `jaxtrain train` on cpu-tiny with the token files, `steps` steps."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # its own flags
+    cmd = [sys.executable, "-m", "jaxtrain", "train", "--config", str(CPU_TINY), "--cpu-devices", "1",
+           f"train.steps={steps}", "train.log_every=1", f"run.output_dir={out}",
+           "checkpoint.compilation_cache_dir=null", "data.source=tokens", f"data.path={tokens_dir}"]
+    t = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    wall = time.perf_counter() - t
+    if done.returncode != 0:
+        raise RuntimeError(f"jaxtrain train exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return wall
+
+
+def measure_step(tokens_dir: Path, root: Path, short: int, long: int, skip: int) -> dict:
+    from jaxtrain.observe.goodput import goodput
+
+    t_short = train_run(tokens_dir, short, root / "run-short")
+    t_long = train_run(tokens_dir, long, root / "run-long")
+    metrics = [json.loads(x) for x in (root / "run-long/metrics.jsonl").read_text().splitlines()]
+    per_step = metrics[0]["tokens_per_step"]
+    step_s = statistics.median(m["step_time_s"] for m in metrics if m["step"] > skip)
+    report, waited = goodput(root / "run-long"), sum(m["data_wait_interval_s"] for m in metrics)
+    return {"tokens_per_step": per_step, "step_time_s": round(step_s, 4), "tokens_per_s": round(per_step / step_s, 1),
+            "step_time_outside_s": round((t_long - t_short) / (long - short), 4),
+            "tokens_per_s_outside": round((long - short) * per_step / (t_long - t_short), 1),
+            "steps": [short, long], "wall_s": [round(t_short, 2), round(t_long, 2)],
+            "data_wait_s": round(waited, 4), "data_wait_share_of_steps": waited / sum(m["step_time_s"] for m in metrics),
+            "goodput_wall_s": round(report["wall_s"], 2), "goodput_data_wait_s": round(report["parts"]["data_wait_s"], 4),
+            "goodput_data_wait_share": report["parts"]["data_wait_s"] / report["wall_s"]}
+
+
+def table(result: dict) -> str:
+    step = result["step"]
+    lines = ["| source | open s (own / outside) | tokens/s, one core (own / outside) | × step (own / outside) |",
+             "|---|---:|---:|---:|"]
+    for name, r in result["sources"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} | | |")
+            continue
+        pad = f" ({r['non_padding']:.0%} non-padding)" if r["non_padding"] < 0.999 else ""
+        ratio = f"**{r['ratio']:,.0f}×** / {r['ratio_outside']:,.0f}×" if "ratio" in r else "–"
+        lines.append(f"| {name} | {r['open_s']:.3f} / {r['open_outside_s']:.2f} | {r['tokens_per_s']:,} / "
+                     f"{r['tokens_per_s_outside']:,}{pad} | {ratio} |")
+    if step:
+        lines.append(f"| cpu-tiny step consumes (all cores) | | {step['tokens_per_s']:,.0f} / "
+                     f"{step['tokens_per_s_outside']:,.0f} | target ≥ {TARGET:.0f}× |")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16_000_000, help="size of the synthetic token corpus")
-    ap.add_argument("--batches", type=int, default=200, help="batches timed per measurement")
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_data_"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-bytes", type=int, default=3_000_000, help="standard-library source bytes in the corpus")
+    parser.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained on it")
+    parser.add_argument("--chat-examples", type=int, default=4000, help="docstrings turned into chat rows")
+    parser.add_argument("--seconds", type=float, default=3.0, help="steady-state time per source")
+    parser.add_argument("--short", type=int, default=3, help="steps of the short cpu-tiny run")
+    parser.add_argument("--long", type=int, default=11, help="steps of the long cpu-tiny run")
+    parser.add_argument("--skip", type=int, default=2, help="first steps left out of the step-time median")
+    parser.add_argument("--no-train", action="store_true", help="sources only (no cpu-tiny runs)")
+    parser.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)), help="the core the sources run on")
+    parser.add_argument("--out", help="also write the result JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:  # pin before anything starts a thread
+        os.sched_setaffinity(0, {args.core})
+        for k, v in ONE_THREAD_ENV.items():
+            os.environ.setdefault(k, v)
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.long <= args.short or args.short <= args.skip:
+        parser.error("need --skip < --short < --long")
+
+    from jaxtrain.config import load_config
+    cpu_tiny = load_config(CPU_TINY, [])
+    d = cpu_tiny.data
+    shape = [f"data.seq_len={d.seq_len}", f"data.global_batch_size={d.global_batch_size}",
+             f"model.max_seq_len={d.seq_len}", f"model.vocab_size={cpu_tiny.model.vocab_size}", "data.prefetch=0"]
+    started, load_start = time.perf_counter(), loadavg()
+    root = Path(tempfile.mkdtemp(prefix="bench_data_"))
     try:
-        corpus = tmp / "tok"
-        make_corpus(corpus, args.tokens)
-        rows = [
-            ("iterator, cpu-tiny shape (seq 256 x batch 8), prefetch 0",
-             f"{iterator_rate(corpus, 256, 8, args.batches):,.0f} tokens/s"),
-            ("iterator, seq 4096 x batch 16, prefetch 0",
-             f"{iterator_rate(corpus, 4096, 16, max(args.batches // 10, 5)):,.0f} tokens/s"),
-            ("iterator, seq 4096 x batch 16, this process's 1/4 share",
-             f"{iterator_rate(corpus, 4096, 16, max(args.batches // 10, 5), process_count=4):,.0f} tokens/s"),
-        ]
-        mean_w, max_w = wait_behind_step(corpus, 0.05, 40)
-        rows.append(("next() wait behind a 50 ms step, prefetch 2 (mean / max)",
-                     f"{mean_w * 1e3:.2f} ms / {max_w * 1e3:.2f} ms"))
-        mb_s, tok_s, size = prepare_rate(tmp)
-        rows.append((f"prepare-data, bytes tokenizer, stdlib *.py ({size / 1e6:.1f} MB)",
-                     f"{mb_s:.1f} MB/s ({tok_s:,.0f} tokens/s)"))
-        print("| measurement | result |\n|---|---|")
-        for name, value in rows:
-            print(f"| {name} | {value} |")
+        print(f"building the corpus ({args.max_bytes:,} bytes of the standard library, BPE {args.vocab}) ...",
+              file=sys.stderr)
+        built, notes = build_corpus(root, args)
+        info = built["info"]
+        print(f"  {info['files']} files, {info['bytes']:,} bytes, {info['tokens']:,} tokens "
+              f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        for n in notes:
+            print(f"  skipped: {n}", file=sys.stderr)
+        baseline_s = min(run_child({"overrides": None}, args.core)[0] for _ in range(2))
+        sources: dict[str, dict] = {}
+        for name, overrides in built["sources"].items():
+            try:
+                sources[name] = measure_source(overrides + shape, args.core, args.seconds, baseline_s)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                sources[name] = {"error": str(e)}
+            r = sources[name]
+            print(f"  {name}: " + (f"failed: {r['error']}" if "error" in r else
+                                   f"open {r['open_s']:.2f} s (outside {r['open_outside_s']:.2f}), "
+                                   f"{r['tokens_per_s']:,} tokens/s (outside {r['tokens_per_s_outside']:,})"),
+                  file=sys.stderr)
+        step = None
+        if not args.no_train:
+            print(f"cpu-tiny on the token files, {args.short} and {args.long} steps, all cores ...", file=sys.stderr)
+            step = measure_step(root / "tokens", root, args.short, args.long, args.skip)
+        for r in sources.values():
+            if step and "error" not in r:
+                r["ratio"] = r["tokens_per_s"] / step["tokens_per_s"]
+                r["ratio_outside"] = r["tokens_per_s_outside"] / step["tokens_per_s_outside"]
+        measured = [r["ratio"] for r in sources.values() if "ratio" in r]
+        result = {"bench": "data", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "machine": f"{cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
+                  "corpus": info, "shape": {"seq_len": d.seq_len, "global_batch_size": d.global_batch_size},
+                  "core": args.core, "seconds": args.seconds, "sources": sources, "skipped": notes, "step": step,
+                  "target": TARGET, "min_ratio": min(measured) if measured else None,
+                  "met": bool(measured) and min(measured) >= TARGET and not any("error" in r for r in sources.values()),
+                  "load_avg_start": load_start, "load_avg_end": loadavg(),
+                  "bench_wall_s": round(time.perf_counter() - started, 1)}
+        for r in sources.values():
+            for k in ("ratio", "ratio_outside"):
+                if k in r:
+                    r[k] = round(r[k], 1)
+        print(table(result), file=sys.stderr)
+        if step:
+            print(f"cpu-tiny step {step['step_time_s']:.3f} s own / {step['step_time_outside_s']:.3f} s outside; "
+                  f"goodput data wait {step['goodput_data_wait_share']:.3%} of {step['goodput_wall_s']:.1f} s "
+                  f"({step['data_wait_share_of_steps']:.3%} of step time)", file=sys.stderr)
+        print(f"load {load_start} -> {result['load_avg_end']}, {result['bench_wall_s']:.0f} s in all", file=sys.stderr)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The new user's journey on real text, through the CLI only, with the flags `jaxtrain train` sets:
 docstrings of the Python standard library (real prose, documents of every length) -> a BPE
 tokenizer trained here -> `jaxtrain prepare-data` -> `jaxtrain train` on configs/tiny.yaml with only
-data, vocabulary, length, steps, evaluation and a checkpoint every 10 steps set -> `jaxtrain export-hf`
+data, vocabulary, length, steps, evaluation and a checkpoint every 10 steps set -> `jaxtrain goodput`
+(data wait under 1% of the wall time) -> `jaxtrain export-hf`
 -> transformers loads tokenizer and model and greedy generation stops at end-of-text.
 
 Every default that touches a healthy run is in play: the spike guard and rollback (a checkpoint every
@@ -84,6 +85,11 @@ def test_real_text_from_tokenizer_to_a_model_that_stops_at_end_of_text(tmp_path)
     losses = [loss for _, loss, _ in evals]
     # Falls by over half a nat; four passes over a small set may flatten it but never push it back up.
     assert losses[-1] < losses[0] - 0.5 and all(b < a + 0.05 for a, b in zip(losses, losses[1:])), losses
+    # Data loading is never what a step waits on (issue #40): under 1% of the run's wall time waits for a batch.
+    report = jaxtrain("goodput", "run", "--json", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    report = json.loads(report.stdout)
+    assert report["parts"]["data_wait_s"] < 0.01 * report["wall_s"], (report["parts"], report["wall_s"])
 
     exported = jaxtrain("export-hf", "run", "--output", "hf", cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
