@@ -380,8 +380,9 @@ class ModelConfig:
 
 # The keys a data.mixture component may set; those it leaves unset come from the data section.
 MIXTURE_COMPONENT_KEYS = ("path", "weight", "name", "source", "format", "text_field", "tokens_field", "eval_only")
-FILE_SOURCES = ("tokens", "text", "arrayrecord", "parquet", "hf_datasets")  # the sources read from data.path
-TOKENIZED_SOURCES = ("text", "arrayrecord", "parquet", "hf_datasets")  # rows of text, tokenized with data.tokenizer
+DataSource = Literal["markov", "tokens", "text", "arrayrecord", "parquet", "hf_datasets"]
+FILE_SOURCES = tuple(s for s in typing.get_args(DataSource) if s != "markov")  # the sources read from data.path
+TOKENIZED_SOURCES = tuple(s for s in FILE_SOURCES if s != "tokens")  # rows of text, tokenized with data.tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +416,7 @@ class DataConfig:
     # imported model is never fine-tuned on the synthetic Markov chain by accident.
     # arrayrecord / parquet / hf_datasets: records, Parquet files, or Hugging Face `datasets` saved to disk
     # (or their .arrow/.parquet files), each row's text_field tokenized at open or its tokens_field read as ids.
-    source: Literal["markov", "tokens", "text", "arrayrecord", "parquet", "hf_datasets", None] = "markov"
+    source: Optional[DataSource] = "markov"
     path: Optional[str] = None  # file, directory or glob, local or gs:// / s3:// (null for markov and mixtures)
     # What a row holds: `text` (documents, packed back to back), `chat` (a `messages` list, rendered with the
     # tokenizer's chat template, loss on the assistant's tokens only) or `prompt_completion` (`prompt` and
@@ -478,7 +479,7 @@ class DataConfig:
     def mixture_components(self) -> list[MixtureComponent]:
         """`data.mixture` as components with this section's defaults filled in (checked; [] without a mixture)."""
         out: list[MixtureComponent] = []
-        sources = [s for s in typing.get_args(typing.get_type_hints(DataConfig)["source"]) if s in FILE_SOURCES]
+        sources = FILE_SOURCES
         formats = choices(DataConfig, "format")
         for i, c in enumerate(self.mixture):
             key = f"data.mixture[{i}]"
@@ -931,6 +932,11 @@ def _type_name(t: Any) -> str:
 def _coerce(key: str, value: Any, t: Any) -> Any:
     """Check `value` against type `t`; return it (ints widen to float). Raise ConfigError."""
     origin = typing.get_origin(t)
+    allowed = literal_choices(t)  # Literal[...], or Optional[Literal[...]]: one message naming every choice
+    if allowed is not None and origin is not Literal:
+        if value not in allowed:
+            raise not_a_choice(key, value, allowed)
+        return value
     if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(t)
         if value is None and type(None) in args:

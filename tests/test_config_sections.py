@@ -101,7 +101,7 @@ def test_the_fixed_sets_of_strings_are_literals():
                 "checkpoint.local_transfer"):
         assert key in keys, key
     assert choices(PrecisionConfig, "policy") == ("fp32", "bf16", "fp16")
-    assert keys["data.source"] == ("markov", "tokens", "text", None)
+    assert keys["data.source"] == ("markov", "tokens", "text", "arrayrecord", "parquet", "hf_datasets", None)
 
 
 @pytest.mark.parametrize("key, allowed", literal_keys(), ids=[k for k, _ in literal_keys()])
