@@ -25,6 +25,8 @@ from jaxtrain.data.packing import FIELDS
 STEPS = 3
 
 SHARED_WORKER = textwrap.dedent("""
+    import json
+    import os
     import sys
     import jax
     import numpy as np
@@ -64,6 +66,8 @@ SHARED_WORKER = textwrap.dedent("""
 """ % STEPS)
 
 WORKER = textwrap.dedent("""
+    import json
+    import os
     import sys
     import jax
     import numpy as np
@@ -79,6 +83,8 @@ WORKER = textwrap.dedent("""
 
     cfg = load_config(None, overrides)
     data = build_train_data(cfg, jax.process_index(), jax.process_count())
+    if os.environ.get("DATA_STATE"):  # resume here from a state another process count wrote
+        data.set_state(json.loads(os.environ["DATA_STATE"]))
     # Devices ordered by process, so process p's devices hold the batch rows [p*b, (p+1)*b).
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
     saved = {}
@@ -86,7 +92,7 @@ WORKER = textwrap.dedent("""
         local = next(data)
         for k, v in local.items():
             arr = jax.make_array_from_process_local_data(sharding, v)
-            assert arr.shape == (cfg.data.global_batch_size, cfg.data.seq_len), arr.shape
+            assert arr.shape[0] == cfg.data.global_batch_size, arr.shape
             saved[f"{k}_{step}"] = np.asarray(multihost_utils.process_allgather(arr, tiled=True))
     data.close()
     if jax.process_index() == 0:
@@ -124,3 +130,35 @@ def test_two_processes_build_the_same_global_batches(tmp_path, worker, devices):
         for k in FIELDS:
             np.testing.assert_array_equal(gathered[f"{k}_{step}"], expected[k], err_msg=f"{k} at step {step}")
     alone.close()
+
+
+@pytest.mark.multiprocess
+def test_a_mixture_resumed_on_two_processes_continues_the_one_process_order(tmp_path):
+    """data.mixture drawn by one process for 5 batches; its state resumed by two real processes gives the
+    batches the one process would have drawn next (rows, segment ids, masks and component tags)."""
+    import json
+
+    web = write_tokens(tmp_path / "web", random_docs(80, seed=1))
+    code = write_tokens(tmp_path / "code", random_docs(40, seed=2))
+    overrides = ["data.source=tokens", "model.vocab_size=128", "data.seq_len=16", "data.global_batch_size=8",
+                 f"data.mixture=[{{path: '{web}', weight: 2}}, {{path: '{code}', weight: 1}}]",
+                 "data.mixture_schedule=[{step: 6, weights: {code: 1}}]"]
+    alone = build_train_data(load_config(None, overrides), 0, 1)
+    for _ in range(5):
+        next(alone)
+    state = alone.get_state()
+    expected = [next(alone) for _ in range(STEPS)]
+    alone.close()
+    out = tmp_path / "gathered.npz"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": os.pathsep.join(sys.path), "DATA_STATE": json.dumps(state)}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(i), str(out), *overrides], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    gathered = np.load(out)
+    for step in range(STEPS):
+        for k in (*FIELDS, "component"):
+            np.testing.assert_array_equal(gathered[f"{k}_{step}"], expected[step][k], err_msg=f"{k} at step {step}")
+    assert {int(c) for e in expected for c in e["component"]} == {0, 1}
