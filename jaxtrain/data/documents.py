@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterator, Optional
@@ -28,7 +27,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import arrayrecord_source, hf_datasets_source, parquet_source
 from jaxtrain.data.record_fields import TokenDocuments
 from jaxtrain.data.remote_files import local_files, source_url
-from jaxtrain.data.sources import Corpus, check_vocab
+from jaxtrain.data.sources import Corpus, check_vocab, jsonl_rows
 from jaxtrain.data.tokenizer import Tokenizer
 
 _FORMATS: dict[str, ModuleType] = {"arrayrecord": arrayrecord_source, "parquet": parquet_source,
@@ -127,27 +126,13 @@ def iter_rows(source: str, spec: str, key: str) -> Iterator[tuple[str, dict]]:
                 if f.suffix != ".jsonl":
                     raise ConfigError(f"{key}: '{f}' is not a .jsonl file; rows of chat or prompt/completion data "
                                       "are JSON lines")
-                yield from _jsonl_rows(f, key)
+                yield from jsonl_rows(f, key)
         return
     if source not in _FORMATS:
         raise ConfigError(f"{key}: data.source={source} has no rows (it holds token ids)")
     for f in _files(source, spec, key):
         with _named(f):
             yield from _FORMATS[source].iter_rows(f, key)
-
-
-def _jsonl_rows(path: Path, key: str) -> Iterator[tuple[str, dict]]:
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ConfigError(f"{key}: {path}:{lineno} is not valid JSON") from None
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{key}: {path}:{lineno} is not a JSON object")
-            yield f"{path}:{lineno}", obj
 
 
 # ----------------------------------------------------------------------------- documents

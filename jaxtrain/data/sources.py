@@ -244,6 +244,19 @@ def iter_documents(path: Path, text_field: str = "text", key: str = "data.path")
     if path.suffix != ".jsonl":
         yield path.read_bytes().decode("utf-8", errors="replace")
         return
+    for where, obj in jsonl_rows(path, key):
+        if not isinstance(obj.get(text_field), str):
+            raise ConfigError(f"{key}: {where} has no string field '{text_field}' "
+                              "(set data.text_field, or --text-field for prepare-data)")
+        yield obj[text_field]
+
+
+def jsonl_rows(path: Path, key: str) -> Iterator[tuple[str, dict]]:
+    """The JSON objects of a .jsonl file as `(file:line, object)`, blank lines skipped.
+
+    Raises:
+      ConfigError: a line that is not valid JSON or not an object (names file:line).
+    """
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
@@ -252,10 +265,9 @@ def iter_documents(path: Path, text_field: str = "text", key: str = "data.path")
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ConfigError(f"{key}: {path}:{lineno} is not valid JSON") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise ConfigError(f"{key}: {path}:{lineno} has no string field '{text_field}' "
-                                  "(set data.text_field, or --text-field for prepare-data)")
-            yield obj[text_field]
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{key}: {path}:{lineno} is not a JSON object")
+            yield f"{path}:{lineno}", obj
 
 
 def tokenize_files(files: list[Path], tokenizer: Tokenizer, text_field: str = "text", key: str = "data.path",
