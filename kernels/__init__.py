@@ -1,7 +1,7 @@
 """Fused attention kernels behind one entry point, `flash_attention`.
 
     from jaxtrain.kernels import flash_attention
-    out = flash_attention(q, k, v, causal=True, segment_ids=None, implementation="auto")
+    out = flash_attention(q, k, v, causal=True, segment_ids=None, implementation="auto", window=None)
 
 Implementations: 'xla' (plain jnp reference, kernels/reference.py), 'pallas' (Pallas kernels,
 kernels/pallas_attention.py; TPU, and CPU in interpret mode), 'triton' (Triton kernels via
@@ -30,8 +30,8 @@ from .attention import (
     flash_attention,
     resolve_implementation,
 )
-from .common import BlockSizes
-from .reference import mha_reference
+from .common import BlockSizes, visited_tiles
+from .reference import mha_local, mha_reference
 
 __all__ = [
     "AUTO_GPU_IMPLEMENTATION",
@@ -45,6 +45,8 @@ __all__ = [
     "attention_training_flops",
     "available_implementations",
     "flash_attention",
+    "mha_local",
     "mha_reference",
     "resolve_implementation",
+    "visited_tiles",
 ]

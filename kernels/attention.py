@@ -10,8 +10,8 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from .common import BlockSizes, check_attention_inputs
-from .reference import mha_reference
+from .common import BlockSizes, check_attention_inputs, check_window
+from .reference import mha_local, mha_reference
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "triton", "cudnn")
 
@@ -137,8 +137,9 @@ def flash_attention(
     segment_ids: jax.Array | None = None,
     implementation: str = "auto",
     block_sizes: BlockSizes | tuple[int, int] | None = None,
+    window: int | None = None,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(H)) v with GQA, causal and segment (packed document) masking.
+    """softmax(q k^T / sqrt(H)) v with GQA, causal, sliding-window and segment (packed document) masking.
 
     Differentiable: 'pallas' and 'triton' have custom VJPs with fused backward kernels.
 
@@ -151,29 +152,43 @@ def flash_attention(
       implementation: 'auto', 'xla', 'pallas', 'triton' or 'cudnn' (see resolve_implementation).
       block_sizes: tile sizes for 'pallas'/'triton' (BlockSizes or (block_q, block_kv));
         None = each kernel's defaults. Ignored by 'xla' and 'cudnn'.
+      window: sliding window (static int >= 1, needs causal=True) or None. Query i sees key j iff
+        0 <= i - j < window: itself and the window - 1 keys before it, transformers'
+        `sliding_window` (Gemma 2/3, Mistral). By index in the row, and a key must also share the
+        query's segment: inside one packed document index distance is position distance, so this
+        is the window per document. 'pallas' and 'triton' skip the kv tiles wholly outside the
+        window (their loops start at the first tile in it), 'xla' computes only the band of
+        scores the window reaches (`mha_local`), 'cudnn' passes it to cuDNN's sliding window.
+        A window >= L is plain causal attention.
 
     Returns:
       [B, L, N, H] in q's dtype. A row that sees no key is 0, and so are its gradients.
 
     Raises:
-      ValueError: bad shapes, an implementation not available on this platform, or 'cudnn'
-        with fp32 inputs ('auto' never picks cuDNN for fp32).
+      ValueError: bad shapes, an implementation not available on this platform, 'cudnn'
+        with fp32 inputs ('auto' never picks cuDNN for fp32), or a bad window (not a positive
+        int, or with causal=False).
     """
     check_attention_inputs(q, k, v, segment_ids)
     name = resolve_implementation(implementation, dtype=q.dtype)
+    window = check_window(window, causal, name)
     if name == "xla":
+        if window is not None and window < q.shape[1]:
+            return mha_local(q, k, v, window=window, segment_ids=segment_ids)
         return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
     if name == "pallas":
         from .pallas_attention import pallas_flash_attention
 
-        return pallas_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes)
+        return pallas_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes,
+                                      window=window)
     if name == "triton":
         from .triton_attention import triton_flash_attention
 
-        return triton_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes)
+        return triton_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes,
+                                      window=window)
     from .cudnn_attention import cudnn_flash_attention
 
-    return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
 
 
 BLOCK_IMPLEMENTATIONS = ("xla", "pallas", "triton")  # those with a blockwise form (attention_block)
@@ -211,12 +226,16 @@ def attention_block_bwd(q, k, v, o, lse, do, *, causal: bool, segment_ids=None, 
     return bwd(q, k, v, o, lse, do, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
 
 
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True) -> float:
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True,
+                    window: int | None = None) -> float:
     """Forward FLOPs of attention's two matmuls, QK^T and PV: 4 * B * L^2 * N * H.
 
     Causal counts half of the score matrix (what a kernel that skips masked tiles does, and the
-    MaxText convention). Softmax and masking are not counted.
+    MaxText convention). A sliding window (causal) counts the band L * W - W^2 / 2 in place of
+    L^2 / 2 (the same at W = L). Softmax and masking are not counted.
     """
+    if window is not None and causal and window < seq:
+        return 4.0 * batch * heads * head_dim * (seq * window - window * window / 2)
     flops = 4.0 * batch * seq * seq * heads * head_dim
     return flops / 2 if causal else flops
 
@@ -227,11 +246,11 @@ BACKWARD_FLOPS_FACTOR = 2.5
 
 
 def attention_training_flops(batch: int, seq: int, heads: int, head_dim: int, *, causal: bool = True,
-                             backward_factor: float = BACKWARD_FLOPS_FACTOR) -> float:
+                             window: int | None = None, backward_factor: float = BACKWARD_FLOPS_FACTOR) -> float:
     """Forward + backward attention FLOPs: (1 + backward_factor) * attention_flops(...).
 
     Args:
-      batch, seq, heads, head_dim, causal: as for attention_flops (heads = query heads).
+      batch, seq, heads, head_dim, causal, window: as for attention_flops (heads = query heads).
       backward_factor: backward FLOPs per forward FLOP. 2.5 (default) counts the backward's
         recomputation of QK^T, as flash-attention kernel benchmarks do; pass 2.0 for strict
         model FLOPs (no recomputation), as in PaLM-style MFU.
@@ -239,4 +258,4 @@ def attention_training_flops(batch: int, seq: int, heads: int, head_dim: int, *,
     Returns:
       FLOPs of one training step's attention (one layer).
     """
-    return (1.0 + backward_factor) * attention_flops(batch, seq, heads, head_dim, causal=causal)
+    return (1.0 + backward_factor) * attention_flops(batch, seq, heads, head_dim, causal=causal, window=window)

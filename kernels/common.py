@@ -72,6 +72,28 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
             raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
 
 
+def check_window(window: int | None, causal: bool, implementation: str) -> int | None:
+    """Validates a sliding window and returns it as a Python int (or None: no window).
+
+    The window is causal and counts the query itself: query i sees key j iff 0 <= i - j < window
+    (transformers' `sliding_window_overlay`, `kv_idx > q_idx - sliding_window`, under its causal
+    mask; Gemma 2/3, Mistral). It is static: it sets the kernels' loop bounds.
+
+    Raises:
+      ValueError naming `implementation`: a window that is not a positive int, or one with
+      causal=False (a two-sided window is another mask, which no kernel implements).
+    """
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"attention window must be a positive int (static) or None; got {window!r} "
+                         f"for implementation {implementation!r}")
+    if not causal:
+        raise ValueError(f"attention implementation {implementation!r}: window={window} needs causal=True "
+                         "(the sliding window is causal: query i sees keys i - window < j <= i)")
+    return int(window)
+
+
 # ------------------------------------------------------------------------------------------------
 # shard_map support. Inside `jax.shard_map` (check_vma=True, the default) every value records the
 # mesh axes it varies over, and a custom VJP must return cotangents that vary exactly like its
@@ -101,3 +123,46 @@ def vary_like_all(*xs):
             x = jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
         out.append(x)
     return tuple(out)
+
+
+def kv_tile_range(q_tile: int, seq_len: int, block_q: int, block_kv: int, *, causal: bool = True,
+                  window: int | None = None) -> tuple[int, int]:
+    """kv tiles [lo, hi) the forward and dq loops of q tile `q_tile` visit, in plain Python.
+
+    hi = cdiv(min(L, (t + 1) * bq), bk) when causal (the diagonal; else cdiv(L, bk)); lo =
+    max(0, t * bq - window + 1) // bk with a window (the first tile holding a key that the tile's
+    first query sees; else 0). Both kernel families compute the same bounds inside the kernel
+    (pallas_attention._kv_tile_bounds, the Triton loops' lo/hi); tests check the kernels against
+    this function by poisoning the tiles it says are skipped.
+    """
+    total = -(-seq_len // block_kv)
+    hi = min(total, -(-((q_tile + 1) * block_q) // block_kv)) if causal else total
+    lo = max(0, q_tile * block_q - window + 1) // block_kv if window is not None else 0
+    return lo, max(lo, hi)
+
+
+def q_tile_range(kv_tile: int, seq_len: int, block_q: int, block_kv: int, *, causal: bool = True,
+                 window: int | None = None) -> tuple[int, int]:
+    """q tiles [lo, hi) the dk/dv loop of kv tile `kv_tile` visits: from the tile holding its first
+    key's row when causal, up to the tile holding row (last key + window - 1) with a window."""
+    lo = kv_tile * block_kv // block_q if causal else 0
+    hi = -(-seq_len // block_q)
+    if window is not None:
+        hi = min(hi, ((kv_tile + 1) * block_kv + window - 2) // block_q + 1)
+    return lo, max(lo, hi)
+
+
+def visited_tiles(seq_len: int, block_q: int, block_kv: int, *, causal: bool = True, window: int | None = None,
+                  q_tiles: int | None = None) -> int:
+    """(q tile, kv tile) pairs the forward (and dq) loops visit: the sum of kv_tile_range over the
+    q tiles. Kernel FLOPs of the forward are visited_tiles * 4 * bq * bk * H per (batch, head); the
+    dk/dv loop visits the same pairs from the other side (q_tile_range).
+
+    q_tiles: how many q tiles the grid has (default cdiv(L, bq); the Pallas grid covers the padded
+    length, whose extra tiles it counts).
+    """
+    count = 0
+    for t in range(-(-seq_len // block_q) if q_tiles is None else q_tiles):
+        lo, hi = kv_tile_range(t, seq_len, block_q, block_kv, causal=causal, window=window)
+        count += hi - lo
+    return count

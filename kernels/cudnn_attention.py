@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import jax
 
-from .common import check_attention_inputs
+from .common import check_attention_inputs, check_window
 
 
 def cudnn_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                          segment_ids: jax.Array | None = None) -> jax.Array:
+                          segment_ids: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """cuDNN flash attention; GQA is native, scale 1/sqrt(H), differentiable (cuDNN's backward).
 
     Args:
@@ -19,12 +19,18 @@ def cudnn_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
       causal: causal mask (cuDNN skips the masked half).
       segment_ids: [B, L]; passed to cuDNN as a boolean [B, 1, L, L] mask, which it turns into a
         bias, so it costs O(L^2) memory: fine for checks, slow for packed long sequences.
+      window: sliding window (needs causal): query i sees keys i - window < j <= i. Passed as
+        `local_window_size=(window - 1, 0)`, which jax turns into cuDNN's `sliding_window_length
+        = window` (cuDNN's left window with an exclusive bound under the causal mask).
 
     Returns:
       [B, L, N, H] in q's dtype.
     """
     check_attention_inputs(q, k, v, segment_ids)
+    window = check_window(window, causal, "cudnn")
     mask_B1LL = None
     if segment_ids is not None:
         mask_B1LL = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask_B1LL, is_causal=causal, implementation="cudnn")
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask_B1LL, is_causal=causal, local_window_size=local,
+                                        implementation="cudnn")

@@ -6,8 +6,10 @@ K kv heads, G = N // K query heads per kv head, H head_dim; bq / bk: query / key
 Algorithm (FlashAttention-2): the grid runs one program per (batch, head, q tile) (forward, dq) or
 per (batch, head, kv tile) (dk/dv); each program loops over the tiles of the other sequence axis
 with an online softmax, so the [L, L] score matrix never exists in memory. Under a causal mask the
-loops stop (or start) at the diagonal, which skips fully-masked tiles. The forward pass saves the
-log-sum-exp per row; the backward pass recomputes the probabilities from it.
+loops stop (or start) at the diagonal, which skips fully-masked tiles; with a sliding window they
+also start (or stop) at the first (last) tile the window reaches, so the work is O(L * window)
+(the whole K/V rows still sit in VMEM, see Working set). The forward pass saves the log-sum-exp
+per row; the backward pass recomputes the probabilities from it.
 
 Layout: kernels see [B, N, Lp, H] so that each tile is a plain 2-D [rows, H] slab whose last two
 dims are (sequence, head_dim), which is what TPU tiling wants. The wrapper pads and transposes;
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
+from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, check_window, vary_like_all
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=128)
 
@@ -74,6 +76,7 @@ class _Config:
     # lse written for a row that sees no key: 0 for the standalone kernel (its backward masks those
     # rows); MASK_VALUE for a block of a blockwise attention, so the row weighs nothing when combined.
     empty_lse: float = 0.0
+    window: int | None = None  # causal sliding window: query i sees keys i - window < j <= i
 
     @property
     def needs_length_mask(self) -> bool:
@@ -106,6 +109,8 @@ def _mask(cfg: _Config, q_start, k_start, q_seg, kv_seg, *, q_axis: int = 0):
         if cfg.causal:
             q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
             mask = q_pos >= k_pos
+            if cfg.window is not None:
+                mask = mask & (q_pos - k_pos < cfg.window)
         if cfg.needs_length_mask:
             in_range = k_pos < cfg.seq_len
             mask = in_range if mask is None else mask & in_range
@@ -115,14 +120,19 @@ def _mask(cfg: _Config, q_start, k_start, q_seg, kv_seg, *, q_axis: int = 0):
     return mask
 
 
-def _num_kv_tiles(cfg: _Config, q_tile):
-    """How many kv tiles q tile `q_tile` must visit: up to the diagonal when causal, and never the
-    tiles that hold only padding."""
+def _kv_tile_bounds(cfg: _Config, q_tile):
+    """The kv tiles [lo, hi) q tile `q_tile` must visit: up to the diagonal when causal, from the
+    first tile the sliding window reaches, and never the tiles that hold only padding
+    (common.kv_tile_range is the same in plain Python)."""
     total = pl.cdiv(cfg.seq_len, cfg.block_kv)
     if not cfg.causal:
-        return total
+        return 0, total
     # Last query row of this tile is (q_tile + 1) * bq - 1; it sees keys up to that position.
-    return jnp.minimum(total, lax.div((q_tile + 1) * cfg.block_q + cfg.block_kv - 1, cfg.block_kv))
+    hi = jnp.minimum(total, lax.div((q_tile + 1) * cfg.block_q + cfg.block_kv - 1, cfg.block_kv))
+    if cfg.window is None:
+        return 0, hi
+    # The first row, q_tile * bq, sees keys from q_tile * bq - window + 1 on; tiles before are skipped.
+    return lax.div(jnp.maximum(q_tile * cfg.block_q - cfg.window + 1, 0), cfg.block_kv), hi
 
 
 def _unpack(refs, n_in: int, n_seg: int):
@@ -171,7 +181,7 @@ def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
         jnp.full((bq, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((bq, 1), jnp.float32),
     )
-    acc_bH, m_b1, l_b1 = lax.fori_loop(0, _num_kv_tiles(cfg, q_tile), body, init)
+    acc_bH, m_b1, l_b1 = lax.fori_loop(*_kv_tile_bounds(cfg, q_tile), body, init)
     # Rows with nothing to attend to have l == 0: output 0 (as the reference does), not 0/0.
     empty = l_b1 == 0.0
     l_safe = jnp.where(empty, 1.0, l_b1)
@@ -212,7 +222,7 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
         ds_bk = p_bk * (dp_bk - delta_b1)
         return dq_bH + jnp.dot(ds_bk.astype(k_kH.dtype), k_kH, preferred_element_type=jnp.float32)
 
-    dq_bH = lax.fori_loop(0, _num_kv_tiles(cfg, q_tile), body, jnp.zeros(q_bH.shape, jnp.float32))
+    dq_bH = lax.fori_loop(*_kv_tile_bounds(cfg, q_tile), body, jnp.zeros(q_bH.shape, jnp.float32))
     dq_ref[...] = (dq_bH * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -250,9 +260,13 @@ def _dkv_kernel(*refs, cfg: _Config, has_segments: bool):
         return dk_kH, dv_kH
 
     # Causal: query rows before this tile's first key never see it. Padded query rows (>= L) are
-    # skipped: their dO is zero, so they would add nothing.
+    # skipped: their dO is zero, so they would add nothing. Window: rows from this tile's last key
+    # + window on (k_start + bk - 1 + window) are past the window of every key in it
+    # (common.q_tile_range is the same in plain Python).
     first = lax.div(k_start, bq) if cfg.causal else 0
     last = pl.cdiv(cfg.seq_len, bq)
+    if cfg.window is not None:
+        last = jnp.minimum(last, lax.div(k_start + bk + cfg.window - 2, bq) + 1)
     zeros = jnp.zeros(k_kH.shape, jnp.float32)
     dk_kH, dv_kH = lax.fori_loop(first, last, body, (zeros, zeros))
     dk_ref[...] = (dk_kH * cfg.scale).astype(dk_ref.dtype)
@@ -428,6 +442,7 @@ def pallas_flash_attention(
     kv_segment_ids: jax.Array | None = None,
     block_sizes: BlockSizes | tuple[int, int] | None = None,
     interpret: bool | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Flash attention with Pallas kernels; differentiable through a custom VJP with fused kernels.
 
@@ -441,11 +456,17 @@ def pallas_flash_attention(
         segment_ids); lets tests build rows that see no key at all.
       block_sizes: tile lengths (clamped to the sequence); L need not be a multiple, it is padded.
       interpret: run the Pallas interpreter; None = interpret exactly when the backend is CPU.
+      window: causal sliding window (static int >= 1) or None: query i sees keys
+        i - window < j <= i (transformers' sliding_window), by index in the row, and with
+        segment ids only keys of its segment. The forward and dq loops start at the first kv
+        tile the window reaches and the dk/dv loop stops at the last q tile that reaches its
+        kv tile: tiles wholly outside the window are skipped, not masked.
 
     Returns:
       [B, L, N, H] in q's dtype. Rows with no visible key are 0 (their gradients too).
     """
     check_attention_inputs(q, k, v, segment_ids)
+    window = check_window(window, causal, "pallas")
     if kv_segment_ids is not None and segment_ids is None:
         raise ValueError("kv_segment_ids needs segment_ids")
     B, L, N, H = q.shape
@@ -454,7 +475,7 @@ def pallas_flash_attention(
         interpret = jax.default_backend() == "cpu"
     cfg = _Config(
         causal=bool(causal), scale=1.0 / math.sqrt(H), seq_len=L, padded_len=Lp,
-        block_q=bq, block_kv=bk, groups=N // k.shape[2], head_dim=H, interpret=bool(interpret),
+        block_q=bq, block_kv=bk, groups=N // k.shape[2], head_dim=H, interpret=bool(interpret), window=window,
     )
 
     def to_kernel_layout(x_BLXH):  # [B, L, X, H] -> [B, X, Lp, H]

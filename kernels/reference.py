@@ -5,23 +5,82 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .common import check_window
 
-def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None):
-    """softmax(q k^T / sqrt(H)) v with GQA, causal and segment masking.
+
+def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, window=None):
+    """softmax(q k^T / sqrt(H)) v with GQA, causal, sliding-window and segment masking.
 
     q: [B, L, N, H]; k, v: [B, L, K, H] with N a multiple of K; segment_ids: [B, L] int32 or None.
     kv_segment_ids: ids of the keys when they differ from the queries' (default: segment_ids);
     tests use it to build rows that see no key at all.
+    window: None, or a static int >= 1 with causal=True: query i also needs i - j < window
+    (transformers' sliding_window: the query and the window - 1 keys before it). By index in
+    the row: with packed documents the segment mask applies too, and inside one document the
+    index distance is the position distance, so this is the per-document window. Masks the
+    whole [L, L] score matrix (the ground truth); the `xla` path's windowed form is `mha_local`.
     Returns [B, L, N, H] in q's dtype.
     """
     B, L, N, H = q.shape
-    _, scores, mask = _block_scores_and_mask(q, k, causal, segment_ids, kv_segment_ids)
+    window = check_window(window, causal, "xla")
+    _, scores, mask = _block_scores_and_mask(q, k, causal, segment_ids, kv_segment_ids, window)
     scores = jnp.where(mask, scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
     # A row with nothing to attend to (fully masked) gives zeros, not a uniform average.
     probs = jnp.where(mask, probs, 0.0)
     out = jnp.einsum("bkgqs,bskh->bqkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, L, N, H).astype(q.dtype)
+
+
+def mha_local(q, k, v, *, window: int, segment_ids=None, kv_segment_ids=None, chunk: int | None = None):
+    """Causal sliding-window attention that computes only the band of scores the window reaches:
+    `mha_reference(q, k, v, causal=True, window=window, ...)` in O(L * (chunk + window)) FLOPs
+    and memory instead of O(L^2). The `xla` path's form when the window is shorter than the row.
+
+    Queries go in chunks of c rows (`chunk`; None = max(128, window / 4), at most L). Chunk t sees
+    the keys of key chunks t - m .. t, m = ceil((window - 1) / c): a band of (m + 1) * c keys built
+    from m + 1 shifted slices of the chunked keys (slices and a concatenation, whose transposes are
+    pads and adds: no gather, no scatter). Inside the band the window, causal and segment masks
+    apply as in mha_reference. When the band would hold the whole row this is mha_reference.
+
+    q: [B, L, N, H]; k, v: [B, L, K, H]; segment_ids / kv_segment_ids: [B, L] int or None.
+    Returns [B, L, N, H] in q's dtype.
+    """
+    window = check_window(window, True, "xla")
+    B, L, N, H = q.shape
+    K = k.shape[2]
+    c = min(L, chunk or max(128, -(-window // 4)))
+    T = -(-L // c)  # query chunks
+    Lp = T * c
+    m = -(-(window - 1) // c)  # earlier key chunks a query chunk can reach
+    band = (m + 1) * c
+    if band >= L:
+        return mha_reference(q, k, v, causal=True, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             window=window)
+
+    def key_band(x_BLX):  # [B, L, ...] -> [B, T, band, ...]: key chunks t - m .. t for query chunk t
+        widths = ((0, 0), (m * c, Lp - L)) + ((0, 0),) * (x_BLX.ndim - 2)
+        chunks = jnp.pad(x_BLX, widths).reshape(B, T + m, c, *x_BLX.shape[2:])
+        return jnp.concatenate([chunks[:, i:i + T] for i in range(m + 1)], axis=2)
+
+    q_BTCKGH = jnp.pad(q, ((0, 0), (0, Lp - L), (0, 0), (0, 0))).reshape(B, T, c, K, N // K, H)
+    k_BTSKH, v_BTSKH = key_band(k), key_band(v)
+    scores = jnp.einsum("btckgh,btskh->btkgcs", q_BTCKGH, k_BTSKH, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(H)))
+    q_pos_TC = jnp.arange(Lp).reshape(T, c)
+    k_pos_TS = (jnp.arange(T)[:, None] - m) * c + jnp.arange(band)[None, :]
+    distance = q_pos_TC[:, :, None] - k_pos_TS[:, None, :]
+    mask = (distance >= 0) & (distance < window) & (k_pos_TS[:, None, :] >= 0)  # [T, c, band]
+    mask = jnp.broadcast_to(mask, (B, T, c, band))
+    if segment_ids is not None:
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        q_seg = jnp.pad(segment_ids, ((0, 0), (0, Lp - L))).reshape(B, T, c)
+        mask = mask & (q_seg[..., None] == key_band(kv_ids)[:, :, None, :])
+    mask = mask[:, :, None, None]  # [B, T, 1, 1, c, band] against scores [B, T, K, G, c, band]
+    scores = jnp.where(mask, scores, -1e30)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    out = jnp.einsum("btkgcs,btskh->btckgh", probs.astype(v.dtype), v_BTSKH, preferred_element_type=jnp.float32)
+    return out.reshape(B, Lp, N, H)[:, :L].astype(q.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -31,7 +90,7 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_
 # ------------------------------------------------------------------------------------------------
 
 
-def _block_scores_and_mask(q, k, causal, segment_ids, kv_segment_ids):
+def _block_scores_and_mask(q, k, causal, segment_ids, kv_segment_ids, window=None):
     B, L, N, H = q.shape
     K, S = k.shape[2], k.shape[1]
     q_BLKGH = q.reshape(B, L, K, N // K, H)
@@ -39,7 +98,8 @@ def _block_scores_and_mask(q, k, causal, segment_ids, kv_segment_ids):
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(H)))
     mask = jnp.ones((L, S), dtype=bool)
     if causal:
-        mask = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
+        distance = jnp.arange(L)[:, None] - jnp.arange(S)[None, :]
+        mask = distance >= 0 if window is None else (distance >= 0) & (distance < window)
     mask = jnp.broadcast_to(mask, (B, L, S))
     if segment_ids is not None:
         kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids

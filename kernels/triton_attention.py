@@ -8,6 +8,10 @@ Layout: the kernels read q/k/v in the model's own [B, L, N|K, H] layout through 
 transposes or padding are needed; ragged tiles at the end of the sequence are masked loads.
 Log-sum-exp and D = rowsum(dO * O) are [B, N, L] fp32.
 
+Sliding window (WINDOW > 0): the forward and dq loops start at the first kv tile the window of
+the q tile's first row reaches, and the dk/dv loop stops after the last q tile whose rows reach
+the kv tile: tiles wholly outside the window are never loaded.
+
 GQA: the forward and dq kernels read kv head n // G. The dk/dv kernel runs one program per
 (kv tile, batch, *query* head) and writes fp32 partial gradients [B, L, N, H] that the wrapper
 sums over the G heads of each group (FlashAttention-2 does the same), which keeps all programs
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, vary_like_all
+from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, check_window, vary_like_all
 
 # Globals read inside @triton.jit must be constexpr.
 _MASK = tl.constexpr(MASK_VALUE)
@@ -50,11 +54,15 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend."""
+def _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+             WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend. WINDOW > 0: causal sliding
+    window, query i sees keys i - WINDOW < j <= i (0 = none)."""
     ok = row_ok[:, None] & col_ok[None, :]
     if CAUSAL:
         ok = ok & (rows[:, None] >= cols[None, :])
+    if WINDOW > 0:
+        ok = ok & (rows[:, None] - cols[None, :] < WINDOW)
     if HAS_SEG:
         ok = ok & (q_seg[:, None] == kv_seg[None, :])
     return ok
@@ -68,6 +76,7 @@ def _fwd_kernel(
     O, LSE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Grid (cdiv(L, BLOCK_M), B * N): one q tile of one head against the kv tiles it can see."""
     pid_m = tl.program_id(0)
@@ -94,7 +103,11 @@ def _fwd_kernel(
     if CAUSAL:
         # Skip the kv tiles wholly after this tile's last query row.
         hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if WINDOW > 0:
+        # ... and those wholly before the window of its first row (pid_m * BLOCK_M - WINDOW + 1 on).
+        lo = tl.maximum(pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
         kv_mask = col_ok[:, None] & dim_ok[None, :]
@@ -103,7 +116,7 @@ def _fwd_kernel(
         kv_seg = cols
         if HAS_SEG:
             kv_seg = tl.load(KV_SEG + b * seq_len + cols, mask=col_ok, other=0)
-        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG)
+        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG, WINDOW)
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale
         s = tl.where(ok, s, _MASK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -138,6 +151,7 @@ def _dq_kernel(
     DQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Grid (cdiv(L, BLOCK_M), B * N): dq of one q tile, looping over the kv tiles it sees."""
     pid_m = tl.program_id(0)
@@ -165,7 +179,10 @@ def _dq_kernel(
     hi = seq_len
     if CAUSAL:
         hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
         kv_mask = col_ok[:, None] & dim_ok[None, :]
@@ -174,7 +191,7 @@ def _dq_kernel(
         kv_seg = cols
         if HAS_SEG:
             kv_seg = tl.load(KV_SEG + b * seq_len + cols, mask=col_ok, other=0)
-        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG)
+        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG, WINDOW)
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
@@ -191,6 +208,7 @@ def _dkv_kernel(
     DK_PART, DV_PART,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Grid (cdiv(L, BLOCK_N), B * N): the share of query head n in dk/dv of one kv tile.
 
@@ -220,7 +238,11 @@ def _dkv_kernel(
     if CAUSAL:
         # Query tiles that end before this kv tile's first key never see it.
         lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M
-    for start in range(lo, seq_len, BLOCK_M):
+    hi = seq_len
+    if WINDOW > 0:
+        # Rows from this tile's last key + WINDOW on are past the window of every key in it.
+        hi = tl.minimum(seq_len, (pid_n + 1) * BLOCK_N - 1 + WINDOW)
+    for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < seq_len
         q_mask = row_ok[:, None] & dim_ok[None, :]
@@ -232,7 +254,7 @@ def _dkv_kernel(
         q_seg = rows
         if HAS_SEG:
             q_seg = tl.load(Q_SEG + b * seq_len + rows, mask=row_ok, other=0)
-        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG)
+        ok = _allowed(rows, cols, row_ok, col_ok, q_seg, kv_seg, CAUSAL, HAS_SEG, WINDOW)
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, UPCAST_DOT)
@@ -282,6 +304,7 @@ def launch_plan(
     causal: bool,
     has_segments: bool,
     block_sizes: BlockSizes | tuple[int, int] | None = None,
+    window: int | None = None,
 ) -> LaunchPlan:
     """Grid, scalars and constexprs for kernel `kind` ('fwd', 'dq' or 'dkv').
 
@@ -294,11 +317,14 @@ def launch_plan(
       causal: causal masking.
       has_segments: whether segment id tensors are real (else dummies, never read).
       block_sizes: (BLOCK_M, BLOCK_N) override; defaults differ for forward and backward.
+      window: causal sliding window (int >= 1) or None; the WINDOW constexpr (0 = none), so
+        each window size compiles its own kernels (a model has one or two).
 
     Returns:
       The LaunchPlan.
     """
     B, L, N, H = q_shape
+    window = check_window(window, causal, "triton")
     default = DEFAULT_FWD_BLOCKS if kind == "fwd" else DEFAULT_BWD_BLOCKS
     blocks = as_block_sizes(block_sizes, default)
     _check_blocks(blocks)
@@ -316,6 +342,7 @@ def launch_plan(
         CAUSAL=bool(causal), HAS_SEG=bool(has_segments),
         DOT_PRECISION="ieee" if dtype_name == "float32" else "tf32",
         UPCAST_DOT=bool(triton.knobs.runtime.interpret) and dtype_name != "float32",
+        WINDOW=window or 0,
     )
     num_warps = 4 if H <= 64 else 8
     # Three stages of fp32 k/v tiles would fill Hopper's 227 KiB of shared memory.
@@ -327,7 +354,7 @@ _POINTER_TYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
 
 
 def aot_compile(kind: str, q_shape, kv_heads: int, dtype_name: str, *, causal: bool, has_segments: bool,
-                block_sizes=None, arch: int = 90):
+                block_sizes=None, arch: int = 90, window: int | None = None):
     """Compiles one kernel for an NVIDIA GPU of compute capability `arch` without needing a GPU.
 
     Catches lowering errors and reports shared memory (`.metadata.shared`, bytes) on machines
@@ -340,7 +367,7 @@ def aot_compile(kind: str, q_shape, kv_heads: int, dtype_name: str, *, causal: b
 
     kernel = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkv": _dkv_kernel}[kind]
     plan = launch_plan(kind, q_shape, kv_heads, dtype_name, causal=causal, has_segments=has_segments,
-                       block_sizes=block_sizes)
+                       block_sizes=block_sizes, window=window)
     ptr = _POINTER_TYPES[dtype_name]
     inputs = [ptr, ptr, ptr, "*i32", "*i32"] + ([] if kind == "fwd" else [ptr, "*fp32", "*fp32"])
     scalars = ["i32", "i32", "i32", "fp32"] + ["i32"] * 6
@@ -363,12 +390,13 @@ class _Config:
     causal: bool
     block_sizes: BlockSizes | None
     bwd_block_sizes: BlockSizes | None
+    window: int | None = None
 
 
 def _plan(cfg: _Config, kind: str, q, k, has_segments: bool) -> LaunchPlan:
     blocks = cfg.block_sizes if kind == "fwd" else cfg.bwd_block_sizes
     return launch_plan(kind, q.shape, k.shape[2], q.dtype.name, causal=cfg.causal,
-                       has_segments=has_segments, block_sizes=blocks)
+                       has_segments=has_segments, block_sizes=blocks, window=cfg.window)
 
 
 def _call(plan: LaunchPlan, kernel, inputs, out_shape, name: str):
@@ -441,11 +469,12 @@ def _flash_bwd(cfg, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes):
+def _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, window=None):
     """Checked inputs -> (_Config, (q_seg, kv_seg) int32 or None); kv ids default to the queries'."""
     check_attention_inputs(q, k, v, segment_ids)
+    window = check_window(window, causal, "triton")
     blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
-    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks)
+    cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks, window=window)
     if segment_ids is None:
         return cfg, None
     kv = segment_ids if kv_segment_ids is None else kv_segment_ids
@@ -461,6 +490,7 @@ def triton_flash_attention(
     segment_ids=None,
     kv_segment_ids=None,
     block_sizes: BlockSizes | tuple[int, int] | None = None,
+    window: int | None = None,
 ):
     """Flash attention with the Triton kernels via jax-triton (NVIDIA GPU); differentiable.
 
@@ -473,6 +503,11 @@ def triton_flash_attention(
       kv_segment_ids: ids of the keys when they differ from the queries' (defaults to segment_ids).
       block_sizes: (BLOCK_M, BLOCK_N) powers of two >= 16 for all three kernels; None = defaults
         (forward 128x64, backward 64x64).
+      window: causal sliding window (static int >= 1) or None: query i sees keys
+        i - window < j <= i (transformers' sliding_window), by index in the row, and with
+        segment ids only keys of its segment. The forward and dq loops start at the first kv
+        tile the window reaches and the dk/dv loop ends at the last q tile that reaches its kv
+        tile: tiles wholly outside the window are skipped, not masked.
 
     Returns:
       [B, L, N, H] in q's dtype; rows with no visible key are 0.
@@ -480,7 +515,7 @@ def triton_flash_attention(
     if segment_ids is not None and kv_segment_ids is None:
         kv_segment_ids = segment_ids
     q, k, v, segment_ids, kv_segment_ids = vary_like_all(q, k, v, segment_ids, kv_segment_ids)
-    cfg, segs = _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes)
+    cfg, segs = _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, window)
     return _flash(cfg, q, k, v, segs)
 
 

@@ -3,7 +3,8 @@ no code with `kernels/` (neither `mha_reference`, the `xla` path, nor JAX's auto
 
 Conventions the kernels promise: q [B, L, N, H], k/v [B, L, K, H], query head n uses kv head
 n // (N/K); scores scaled by 1/sqrt(H); causal keeps keys at or before the query; segment ids must
-be equal to attend; a query that sees no key at all gets zeros.
+be equal to attend; a sliding window (with causal) keeps keys j with i - window < j <= i;
+a query that sees no key at all gets zeros.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def attention_fwd_bwd(q, k, v, do, *, causal: bool, segment_ids=None):
+def attention_fwd_bwd(q, k, v, do, *, causal: bool, segment_ids=None, window=None):
     """(out, dq, dk, dv), all float64 numpy, for cotangent `do`."""
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     B, L, N, H = q.shape
@@ -21,6 +22,8 @@ def attention_fwd_bwd(q, k, v, do, *, causal: bool, segment_ids=None):
     allowed = np.ones((B, L, L), bool)
     if causal:
         allowed &= np.tril(np.ones((L, L), bool))[None]
+    if window is not None:
+        allowed &= ~np.tril(np.ones((L, L), bool), -window)[None]  # drop keys window or more back
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
         allowed &= seg[:, :, None] == seg[:, None, :]

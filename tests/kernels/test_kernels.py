@@ -248,8 +248,9 @@ def test_pallas_under_shard_map_data_and_tensor_parallel():
         assert_close(name, g, ref, 1e-5)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_pallas_kernels_lower_for_accelerators(monkeypatch, platform):
+@pytest.mark.parametrize("platform, window", [("tpu", None), ("cuda", None), ("tpu", 256)],
+                         ids=["tpu", "cuda", "tpu-window256"])
+def test_pallas_kernels_lower_for_accelerators(monkeypatch, platform, window):
     # The compiled (interpret=False) path, lowered without the device: through Mosaic for TPU and
     # Pallas' Triton backend for NVIDIA GPUs. Lowering checks block shapes and the ops used;
     # compiling the lowered kernels still needs the device.
@@ -281,7 +282,8 @@ def test_pallas_kernels_lower_for_accelerators(monkeypatch, platform):
     seg = jax.ShapeDtypeStruct((B, L), jnp.int32)
 
     def fwd_bwd(q, k, v, s):
-        out, vjp = jax.vjp(lambda q, k, v: pallas_flash_attention(q, k, v, segment_ids=s, interpret=False), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: pallas_flash_attention(q, k, v, segment_ids=s, interpret=False,
+                                                                  window=window), q, k, v)
         return vjp(out)
 
     gpu_call = "__gpu$xla.gpu.triton"

@@ -28,13 +28,14 @@ from jaxtrain.kernels.reference import attention_block, attention_block_bwd
 from jaxtrain.kernels.testing import TOLERANCE, assert_close, output_and_grads, random_inputs, reference_output_and_grads
 
 
-def _launch(kind, kernel, inputs, outputs, q_shape, kv_heads, dtype_name, causal, has_seg, block_sizes):
+def _launch(kind, kernel, inputs, outputs, q_shape, kv_heads, dtype_name, causal, has_seg, block_sizes,
+            window=None):
     plan = ta.launch_plan(kind, q_shape, kv_heads, dtype_name, causal=causal, has_segments=has_seg,
-                          block_sizes=block_sizes)
+                          block_sizes=block_sizes, window=window)
     kernel[plan.grid](*inputs, *plan.scalars, *outputs, **plan.meta)
 
 
-def run_kernels(q, k, v, do, q_seg, kv_seg, *, causal, block_sizes):
+def run_kernels(q, k, v, do, q_seg, kv_seg, *, causal, block_sizes, window=None):
     """Forward, dq and dk/dv kernels on torch tensors; returns numpy (out, dq, dk, dv)."""
     B, L, N, H = q.shape
     K = k.shape[2]
@@ -43,7 +44,7 @@ def run_kernels(q, k, v, do, q_seg, kv_seg, *, causal, block_sizes):
     has_seg = q_seg is not None
     t_q_seg = _to_torch(q_seg) if has_seg else torch.zeros(1, dtype=torch.int32)
     t_kv_seg = _to_torch(kv_seg) if has_seg else t_q_seg
-    common = (q.shape, K, dtype_name, causal, has_seg, block_sizes)
+    common = (q.shape, K, dtype_name, causal, has_seg, block_sizes, window)
 
     out = torch.empty_like(tq)
     lse = torch.empty((B, N, L), dtype=torch.float32)
@@ -139,15 +140,17 @@ import json, sys
 from jaxtrain.kernels.triton_attention import aot_compile
 shared = {}
 for kind in ("fwd", "dq", "dkv"):
-    kernel = aot_compile(kind, (2, 4096, 16, 128), 4, "bfloat16", causal=True, has_segments=True)
-    shared[kind] = kernel.metadata.shared
+    for window in (None, 512):  # the sliding window's loop bounds too
+        kernel = aot_compile(kind, (2, 4096, 16, 128), 4, "bfloat16", causal=True, has_segments=True, window=window)
+        shared[f"{kind} window={window}"] = kernel.metadata.shared
 print(json.dumps(shared))
 """
 
 
 def test_triton_kernels_compile_for_sm90_without_a_gpu():
     # The real (non-interpreted) compiler path, in a child process without TRITON_INTERPRET:
-    # bf16, head_dim 128, causal, segments, default tiles, down to sm_90 machine code.
+    # bf16, head_dim 128, causal, segments, default tiles, without and with a window, down to sm_90
+    # machine code.
     import json
     import subprocess
 
@@ -225,3 +228,48 @@ def test_triton_blockwise_form_matches_the_reference_block(fake_jax_triton, caus
     for name, g, ref in zip(("dq", "dk", "dv"), got, want):
         assert g.dtype == jnp.float32, name
         assert_close(name, g, ref, tol)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sliding window (the Pallas kernels' and the reference's window tests are in test_window.py).
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 3, 15, 16, 17, 39, 40, 80])
+def test_triton_window_matches_an_independent_implementation(window):
+    """Windows 1, 3, tile - 1, tile, tile + 1, L - 1, L, 2L against float64 numpy: packed documents, GQA."""
+    from independent_attention import attention_fwd_bwd
+    from test_window import _assert_near
+    q, k, v, do, seg = random_inputs(7, 2, 40, 4, 2, 16, jnp.float32, True)
+    got = run_kernels(q, k, v, do, seg, seg, causal=True, block_sizes=(16, 16), window=window)
+    want = attention_fwd_bwd(q, k, v, do, causal=True, segment_ids=seg, window=window)
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        _assert_near(f"window={window} {name}", g, ref)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the poisoned rows' max, as intended
+@pytest.mark.parametrize("L, window, blocks", [(64, 20, (16, 16)), (64, 9, (32, 16)), (64, 9, (16, 32))],
+                         ids=["w20-16x16", "w9-32x16", "w9-16x32"])
+def test_triton_skips_tiles_outside_the_window(L, window, blocks):
+    """A poisoned kv tile (q row) reaches exactly the q tiles (kv tiles) whose loops visit it:
+    tiles outside the window are not loaded (see test_window.check_poisoned_tiles_are_skipped)."""
+    from test_window import check_poisoned_tiles_are_skipped
+    q, k, v, do, _ = random_inputs(11, 1, L, 2, 1, 16)
+    kw = dict(causal=True, block_sizes=blocks, window=window)
+    clean = run_kernels(q, k, v, do, None, None, **kw)
+    bad_kv = run_kernels(q, k.at[:, 0].set(jnp.nan), v.at[:, 0].set(jnp.nan), do, None, None, **kw)
+    bad_q = run_kernels(q.at[:, L - 1].set(jnp.nan), k, v, do.at[:, L - 1].set(jnp.nan), None, None, **kw)
+    check_poisoned_tiles_are_skipped(clean, bad_kv, bad_q, L, window, *blocks)
+
+
+def test_triton_jax_wrapper_with_a_window(fake_jax_triton):
+    from independent_attention import attention_fwd_bwd
+    from test_window import _assert_near
+    q, k, v, do, seg = random_inputs(131, 1, 40, 4, 2, 16, jnp.float32, True)
+    out, grads = output_and_grads(ta.triton_flash_attention, q, k, v, do, segment_ids=seg, window=13,
+                                  block_sizes=(16, 16))
+    want = attention_fwd_bwd(q, k, v, do, causal=True, segment_ids=seg, window=13)
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), want, strict=True):
+        _assert_near(name, g, ref)
+    with pytest.raises(ValueError, match="'triton'.*needs causal=True"):
+        ta.triton_flash_attention(q, k, v, causal=False, window=4)
