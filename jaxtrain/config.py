@@ -300,6 +300,9 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept as they are
     rope_original_max_len: int = 8192  # llama3: context length the model was pretrained with
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
+    # Qwen3's QK-norm: an RMSNorm over each head's channels (a [head_dim] scale shared by the heads) on
+    # the projected queries and keys, before rotary.
+    qk_norm: bool = False
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
     # Activation checkpointing (docs/pipeline.md, "Remat policies"): what the backward pass keeps of each layer
@@ -319,6 +322,9 @@ class ModelConfig:
     first_dense_layers: int = 0  # the first N layers keep a dense MLP (DeepSeek)
     num_shared_experts: int = 0  # always-on experts (one dense SwiGLU of num_shared x moe_mlp_dim) beside the routed ones
     moe_router: Literal["softmax", "sigmoid"] = "softmax"  # softmax top-k (Mixtral) or sigmoid top-k (DeepSeek-V3)
+    # softmax, k > 1: the chosen k probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's
+    # norm_topk_prob: true); false: the gates are the softmax probabilities themselves (softmax only).
+    moe_norm_topk_prob: bool = True
     capacity_factor: float = 0.0  # > 0: capacity-padded dispatch, overflow dropped (counted); <= 0: dropless
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss alpha * E * sum_i f_i P_i, per MoE layer
     router_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)**2), per MoE layer
@@ -373,6 +379,9 @@ class ModelConfig:
             raise ConfigError(f"model.moe_every={self.moe_every} must be >= 1 and divide the {after} layers after "
                               f"model.first_dense_layers={self.first_dense_layers} (groups of moe_every - 1 dense layers "
                               "and one MoE layer)")
+        if self.moe_router == "sigmoid" and not self.moe_norm_topk_prob:
+            raise ConfigError("model.moe_norm_topk_prob=false is for model.moe_router=softmax; sigmoid routing always "
+                              "normalises the chosen scores (set it to true or use softmax)")
         for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")

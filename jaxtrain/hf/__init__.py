@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints in and out: `jaxtrain import-hf` and `jaxtrain export-hf`.
+"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE checkpoints in and out: `jaxtrain import-hf` and
+`jaxtrain export-hf`.
 
 Import reads `config.json` and `*.safetensors` (one file, or shards with
 `model.safetensors.index.json`) with `safetensors.numpy`: no torch, no pickles. It writes a
@@ -12,7 +13,7 @@ jaxtrain directory that `checkpoint.init_from` accepts:
 
 Export reads a run directory's `config.yaml` and a committed checkpoint's parameters and writes
 `config.json` + `model.safetensors` (sharded with an index above `--max-shard-size`) that
-`transformers.LlamaForCausalLM.from_pretrained` loads, with the tokenizer the run's data was made
+`transformers.AutoModelForCausalLM.from_pretrained` loads, with the tokenizer the run's data was made
 with (`AutoTokenizer` loads it) and its end-of-document id as bos/eos/pad in `config.json` and
 `generation_config.json`.
 
@@ -24,8 +25,8 @@ user guide is docs/hf.md.
 
 from jaxtrain.hf.exporter import export_hf
 from jaxtrain.hf.importer import import_hf
-from jaxtrain.hf.mapping import (hf_config_from_model, hf_shapes, hf_tensors_from_params, model_section_from_hf,
-                                 params_from_hf)
+from jaxtrain.hf.mapping import (hf_config_from_model, hf_model_type, hf_shapes, hf_tensors_from_params,
+                                 model_section_from_hf, params_from_hf)
 
-__all__ = ["export_hf", "hf_config_from_model", "hf_shapes", "hf_tensors_from_params", "import_hf",
+__all__ = ["export_hf", "hf_config_from_model", "hf_model_type", "hf_shapes", "hf_tensors_from_params", "import_hf",
            "model_section_from_hf", "params_from_hf"]

@@ -1,4 +1,5 @@
-"""`jaxtrain export-hf RUN_DIR --output DST`: a run's parameters -> a Hugging Face Llama directory.
+"""`jaxtrain export-hf RUN_DIR --output DST`: a run's parameters -> a Hugging Face directory (Llama,
+Mixtral, Qwen3 or Qwen3-MoE: `jaxtrain.hf.mapping.hf_model_type`).
 
 RUN_DIR may be local or a gs:// / s3:// URL (a run trained into a bucket): config.yaml,
 hf_config.json and the tokenizer files are read as objects, the checkpoint through the same
@@ -37,7 +38,7 @@ from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors
 
 def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: Optional[str] = None,
               max_shard_size: str = "5GB") -> dict:
-    """Write a run's parameters as a Hugging Face Llama directory.
+    """Write a run's parameters as a Hugging Face directory of the family `hf_model_type` names.
 
     Args:
       run_dir: a jaxtrain run directory (config.yaml + checkpoints/), or an import-hf directory;

@@ -85,7 +85,7 @@ def check_tensors(reader: SafetensorsReader, m: ModelConfig) -> str:
             raise ConfigError(f"tensor '{name}' has shape {list(reader.shape[name])}; config.json implies {list(shape)}")
     extra = sorted(n for n in reader.shape if n not in expected and not ignorable.match(n))
     if extra:
-        raise ConfigError(f"tensor '{extra[0]}' has no place in jaxtrain's Llama model"
+        raise ConfigError(f"tensor '{extra[0]}' has no place in jaxtrain's model"
                           f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
     kinds = set()
     for name in expected:

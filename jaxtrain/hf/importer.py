@@ -1,4 +1,5 @@
-"""`jaxtrain import-hf SRC --output DIR`: a Hugging Face Llama directory -> a jaxtrain directory."""
+"""`jaxtrain import-hf SRC --output DIR`: a Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE directory ->
+a jaxtrain directory."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from jaxtrain.hf.mapping import model_section_from_hf, params_from_hf
 
 
 def import_hf(source: str, output: str) -> dict:
-    """Convert a Hugging Face Llama directory into a jaxtrain directory (layout: see `jaxtrain.hf`).
+    """Convert a Hugging Face directory (Llama, Mixtral, Qwen3, Qwen3-MoE) into a jaxtrain directory
+    (layout: see `jaxtrain.hf`).
 
     Args:
       source: local directory with config.json and *.safetensors (plus tokenizer files, optional).

@@ -1,5 +1,8 @@
-"""Hugging Face Llama <-> jaxtrain: config fields and weight layout, as pure functions on dicts
-and numpy arrays (no files, no JAX).
+"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE <-> jaxtrain: config fields and weight layout,
+as pure functions on dicts and numpy arrays (no files, no JAX).
+
+Which family a jaxtrain model is written as (`hf_model_type`): dense -> Llama, or Qwen3 with
+`model.qk_norm`; a mixture of experts -> Mixtral, or Qwen3-MoE with `model.qk_norm`.
 
 Weight layout (HF Linear weights are [out, in]; jaxtrain stacks layers on a leading axis L):
 
@@ -16,12 +19,25 @@ Weight layout (HF Linear weights are [out, in]; jaxtrain stacks layers on a lead
     model.layers.i.post_attention_layernorm [D]  blocks.mlp_norm.scale    [L, D]
     model.norm.weight               [D]          final_norm.scale         [D]
     lm_head.weight                  [V, D]       head                     [D, V]  (absent when tied)
+    Qwen3 and Qwen3-MoE also:
+    model.layers.i.self_attn.q_norm [H]          blocks.attn.q_norm.scale [L, H]
+    model.layers.i.self_attn.k_norm [H]          blocks.attn.k_norm.scale [L, H]
+    MoE layers (Mixtral's files: block_sparse_moe.gate, experts.j.w1/w3/w2; Qwen3-MoE's: mlp.gate,
+    mlp.experts.j.gate_proj/up_proj/down_proj):
+    ...gate.weight                  [E, D]       blocks.mlp.router        [L, D, E]
+    ...experts.j.{w1,gate_proj}     [F, D]       blocks.mlp.w_gate        [L, E, D, F]  (w3/up_proj: w_up)
+    ...experts.j.{w2,down_proj}     [D, F]       blocks.mlp.w_down        [L, E, F, D]
+
+With dense layers among the MoE ones (Qwen3-MoE's decoder_sparse_step / mlp_only_layers as
+model.first_dense_layers / model.moe_every) HF layer i lands in the stack `layer_slots` names:
+`dense_blocks`, `interleaved_dense_blocks` or `blocks` (the MoE layers), as the model runs them.
 
 q/k rows need no permutation: both sides rotate channel pairs (i, i + H/2) ("rotate_half").
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -93,8 +109,21 @@ def _rope_from_hf(hf: dict) -> dict:
     return out
 
 
+# model_type -> the one architecture jaxtrain reads and writes for it.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def hf_model_type(m: ModelConfig) -> str:
+    """The Hugging Face family a jaxtrain model is written as: Qwen3 (dense) or Qwen3-MoE with
+    `model.qk_norm`, else Llama (dense) or Mixtral."""
+    if m.num_experts > 0:
+        return "qwen3_moe" if m.qk_norm else "mixtral"
+    return "qwen3" if m.qk_norm else "llama"
+
+
 def model_section_from_hf(hf: dict) -> dict:
-    """The jaxtrain `model` section for a Hugging Face Llama `config.json`.
+    """The jaxtrain `model` section for a Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE `config.json`.
 
     Args:
       hf: the parsed config.json (transformers 4.x or 5.x layout).
@@ -102,17 +131,17 @@ def model_section_from_hf(hf: dict) -> dict:
       A dict of `model.*` keys (vocab_size, d_model, ..., rope_*, tie_embeddings).
     Raises:
       ConfigError: a field the jaxtrain model cannot represent, named (model_type, hidden_act,
-        attention_bias, mlp_bias, attention_dropout, rope type, quantization, ...).
+        attention_bias, mlp_bias, attention_dropout, rope type, quantization, sliding windows, ...).
     """
-    mixtral = hf.get("model_type") == "mixtral"
-    if hf.get("model_type") not in ("llama", "mixtral"):
-        raise ConfigError(f"config.json field 'model_type'={hf.get('model_type')!r} is not supported "
-                          "(only 'llama' and 'mixtral' checkpoints can be imported)")
-    arch = "MixtralForCausalLM" if mixtral else "LlamaForCausalLM"
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"config.json field 'model_type'={model_type!r} is not supported "
+                          f"(only {', '.join(repr(t) for t in ARCHITECTURES)} checkpoints can be imported)")
+    arch = ARCHITECTURES[model_type]
     archs = hf.get("architectures") or [arch]
     if list(archs) != [arch]:
         raise ConfigError(f"config.json field 'architectures'={archs!r} is not supported (model_type "
-                          f"{hf.get('model_type')!r}: only {arch})")
+                          f"{model_type!r}: only {arch})")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"config.json field 'hidden_act'={hf.get('hidden_act')!r} is not supported "
                           "(jaxtrain's MLP is SwiGLU: silu)")
@@ -147,9 +176,34 @@ def model_section_from_hf(hf: dict) -> dict:
     }
     if isinstance(hf.get("initializer_range"), (int, float)) and hf["initializer_range"] > 0:
         section["init_std"] = float(hf["initializer_range"])
-    if mixtral:
+    if model_type == "mixtral":
         section.update(_moe_from_hf(hf, section["mlp_dim"]))
+    if model_type in ("qwen3", "qwen3_moe"):
+        _refuse_qwen3_windows(hf, section["num_layers"])
+        section["qk_norm"] = True
+    if model_type == "qwen3_moe":
+        section.update(_qwen3_moe_from_hf(hf, section["num_layers"]))
     return section
+
+
+def _refuse_qwen3_windows(hf: dict, num_layers: int) -> None:
+    """Qwen3's sliding-window attention (`use_sliding_window: true`, or a `layer_types` entry other
+    than full_attention) is refused: jaxtrain's attention is full causal. `sliding_window` alone is
+    inert (transformers ignores it without use_sliding_window)."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError("config.json field 'use_sliding_window'=true is not supported (jaxtrain's attention is "
+                          "full causal; false)")
+    kinds = hf.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
+        raise ConfigError(f"config.json field 'layer_types'={kinds!r} is not supported (jaxtrain's attention is full "
+                          "causal in every layer: full_attention only)")
+
+
+def _flag(hf: dict, name: str, default: bool) -> bool:
+    value = hf.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json field '{name}'={value!r} must be true or false")
+    return value
 
 
 def _moe_from_hf(hf: dict, mlp_dim: int) -> dict:
@@ -166,14 +220,65 @@ def _moe_from_hf(hf: dict, mlp_dim: int) -> dict:
                           "single gate to 1, jaxtrain's top-1 keeps the probability (Switch)")
     out = {"num_experts": _int_field(hf, "num_local_experts"), "experts_per_token": k,
            "moe_mlp_dim": mlp_dim, "moe_router": "softmax", "capacity_factor": 0.0}
+    out.update(_aux_loss_from_hf(hf))
+    return out
+
+
+def _aux_loss_from_hf(hf: dict) -> dict:
+    """`router_aux_loss_coef` -> model.moe_aux_loss, as it is (transformers applies it once to the
+    balance of all layers' tokens together; jaxtrain to each MoE layer's, summed)."""
     coef = hf.get("router_aux_loss_coef")
     if isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef >= 0:
-        out["moe_aux_loss"] = float(coef)
+        return {"moe_aux_loss": float(coef)}
+    return {}
+
+
+def moe_layer_pattern(num_layers: int, moe_layers: set[int]) -> Optional[tuple[int, int]]:
+    """(first_dense_layers, moe_every) that place MoE layers exactly at `moe_layers` (0-based), or
+    None when no such pair does. jaxtrain's layout: `first` dense layers, then groups of
+    `every - 1` dense layers and one MoE layer, so the last layer is MoE and the MoE layers are
+    evenly spaced; one MoE layer alone is the last, after num_layers - 1 dense ones."""
+    ordered = sorted(moe_layers)
+    if not ordered or ordered[-1] != num_layers - 1:
+        return None
+    every = ordered[1] - ordered[0] if len(ordered) > 1 else 1
+    first = num_layers - len(ordered) * every
+    if first < 0 or {first + u * every + every - 1 for u in range(len(ordered))} != moe_layers:
+        return None
+    return first, every
+
+
+def _qwen3_moe_from_hf(hf: dict, num_layers: int) -> dict:
+    """The MoE keys of a Qwen3-MoE config.json: softmax top-k, renormalised or not (`norm_topk_prob`),
+    MoE layers where `decoder_sparse_step` and `mlp_only_layers` put them (as transformers does:
+    layer i is MoE unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0)."""
+    k = _int_field(hf, "num_experts_per_tok")
+    norm = _flag(hf, "norm_topk_prob", False)  # transformers' default
+    if k == 1 and norm:
+        raise ConfigError("config.json field 'norm_topk_prob'=true with num_experts_per_tok=1 is not supported: "
+                          "it renormalises a single gate to 1, jaxtrain's top-1 keeps the probability (Switch)")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 saves the latter
+    step = _int_field(hf, "decoder_sparse_step", 1)
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ConfigError(f"config.json field 'mlp_only_layers'={dense!r} must be a list of layer indices")
+    moe_layers = {i for i in range(num_layers) if i not in dense and (i + 1) % step == 0}
+    pattern = moe_layer_pattern(num_layers, moe_layers)
+    if pattern is None:
+        raise ConfigError(f"config.json fields 'decoder_sparse_step'={step} and 'mlp_only_layers'={dense} put MoE "
+                          f"layers at {sorted(moe_layers)} of {num_layers}: jaxtrain places them as "
+                          "model.first_dense_layers dense layers, then one MoE layer in every model.moe_every, "
+                          "ending with an MoE layer")
+    out = {"num_experts": _int_field({"num_experts": experts}, "num_experts"), "experts_per_token": k,
+           "moe_mlp_dim": _int_field(hf, "moe_intermediate_size"), "moe_router": "softmax",
+           "moe_norm_topk_prob": norm, "capacity_factor": 0.0,
+           "first_dense_layers": pattern[0], "moe_every": pattern[1]}
+    out.update(_aux_loss_from_hf(hf))
     return out
 
 
 def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = None) -> dict:
-    """A transformers `config.json` for a jaxtrain model.
+    """A transformers `config.json` for a jaxtrain model, of the family `hf_model_type` names.
 
     Rope settings are written in both layouts: `rope_parameters` (transformers 5) and top-level
     `rope_theta` / `rope_scaling` (transformers 4.x reads only those and would otherwise fall back
@@ -189,8 +294,9 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
         rope = {"rope_type": "llama3", "rope_theta": m.rope_theta, "factor": m.rope_scaling_factor,
                 "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                 "original_max_position_embeddings": m.rope_original_max_len}
+    model_type = hf_model_type(m)
     out = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.mlp_dim,
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
@@ -201,19 +307,38 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
         "attention_dropout": 0.0, "initializer_range": m.init_std, "use_cache": True,
         "dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype],
     }
-    if m.num_experts > 0:
+    if model_type == "mixtral":
         refused = {"model.moe_router": m.moe_router != "softmax", "model.num_shared_experts": m.num_shared_experts,
                    "model.first_dense_layers": m.first_dense_layers, "model.moe_every": m.moe_every != 1,
-                   "model.experts_per_token=1": m.experts_per_token == 1}
+                   "model.experts_per_token=1": m.experts_per_token == 1,
+                   "model.moe_norm_topk_prob=false": not m.moe_norm_topk_prob}
         named = [k for k, v in refused.items() if v]
         if named:
             raise ConfigError(f"export-hf: MixtralForCausalLM cannot represent {', '.join(named)} "
-                              "(softmax top-k > 1 routed experts in every layer, no shared experts)")
-        out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                    "intermediate_size": m.moe_mlp_dim or m.mlp_dim, "num_local_experts": m.num_experts,
+                              "(softmax top-k > 1 routed experts in every layer, renormalised, no shared experts)")
+        out.update({"intermediate_size": m.moe_mlp_dim or m.mlp_dim, "num_local_experts": m.num_experts,
                     "num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.moe_aux_loss,
                     "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False})
         out.pop("mlp_bias")
+    if model_type in ("qwen3", "qwen3_moe"):  # full causal attention in every layer
+        out.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers})
+        out.pop("mlp_bias")
+    if model_type == "qwen3_moe":
+        refused = {"model.moe_router": m.moe_router != "softmax", "model.num_shared_experts": m.num_shared_experts,
+                   "model.experts_per_token=1 with model.moe_norm_topk_prob=true":
+                       m.experts_per_token == 1 and m.moe_norm_topk_prob}
+        named = [k for k, v in refused.items() if v]
+        if named:
+            raise ConfigError(f"export-hf: Qwen3MoeForCausalLM cannot represent {', '.join(named)} "
+                              "(softmax top-k routed experts, no shared experts)")
+        # The MoE layers: every moe_every-th from the start, or the dense ones listed when some come first.
+        moe_layers = {i for i, (_, _, moe) in enumerate(layer_slots(m)) if moe}
+        step, dense = ((m.moe_every, []) if not m.first_dense_layers else
+                       (1, [i for i in range(m.num_layers) if i not in moe_layers]))
+        out.update({"moe_intermediate_size": m.moe_mlp_dim or m.mlp_dim, "num_experts": m.num_experts,
+                    "num_experts_per_tok": m.experts_per_token, "norm_topk_prob": m.moe_norm_topk_prob,
+                    "decoder_sparse_step": step, "mlp_only_layers": dense, "router_aux_loss_coef": m.moe_aux_loss,
+                    "output_router_logits": False})
     for k in _CARRIED_FIELDS:
         if carried and k in carried:
             out[k] = carried[k]
@@ -225,7 +350,7 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
 # jaxtrain path under `blocks` -> (HF name under `model.layers.{i}.`, HF [out, in] -> jaxtrain, back).
 # `m` is the ModelConfig; the reshapes split/join the head dimension of the [out, in] matrices.
 _Convert = Callable[[np.ndarray, ModelConfig], np.ndarray]
-_LAYER: dict[tuple[str, str], tuple[str, _Convert, _Convert]] = {
+_LAYER: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
     ("attn", "wq"): ("self_attn.q_proj.weight",
                      lambda t, m: t.reshape(m.num_heads, m.head_dim, m.d_model).transpose(2, 0, 1),
                      lambda a, m: a.transpose(1, 2, 0).reshape(m.num_heads * m.head_dim, m.d_model)),
@@ -252,31 +377,71 @@ _TOP: dict[str, tuple[str, _Convert, _Convert]] = {
 }
 
 
+# Qwen3's per-head norms (model.qk_norm), in transformers' order after o_proj.
+_QK_NORM: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", lambda t, m: t, lambda a, m: a),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", lambda t, m: t, lambda a, m: a),
+}
+
 MOE = "block_sparse_moe"  # Mixtral's module name in its checkpoint files (transformers 4 and 5 alike)
-_EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}  # jaxtrain [E, D, F] / [E, F, D] <- HF [out, in] per expert
+# jaxtrain [E, D, F] / [E, F, D] <- HF [out, in] per expert: Mixtral's names, Qwen3-MoE's.
+_EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+_QWEN3_EXPERTS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def _moe_names(m: ModelConfig) -> tuple[str, dict[str, str]]:
+    """(the MoE module's name in a layer, jaxtrain expert leaf -> the expert's tensor name)."""
+    return ("mlp", _QWEN3_EXPERTS) if m.qk_norm else (MOE, _EXPERTS)
+
+
+def layer_slots(m: ModelConfig) -> list[tuple[str, int, bool]]:
+    """Where each HF layer i lives in jaxtrain: (stack, index in that stack, is an MoE layer), in
+    the order the model runs them (`Transformer.cache_stacks`): the first dense layers, then each
+    group's moe_every - 1 interleaved dense layers and its MoE layer."""
+    if m.num_experts <= 0:
+        return [("blocks", i, False) for i in range(m.num_layers)]
+    slots = [("dense_blocks", i, False) for i in range(m.first_dense_layers)]
+    per = m.moe_every - 1
+    for u in range(m.num_moe_layers):
+        slots += [("interleaved_dense_blocks", u * per + j, False) for j in range(per)]
+        slots.append(("blocks", u, True))
+    return slots
+
+
+def _layer_entries(m: ModelConfig, moe: bool) -> dict[tuple[str, ...], tuple[str, _Convert, _Convert]]:
+    """The `_LAYER`-style entries of one layer kind (an MoE layer's experts are handled apart), in
+    transformers' order: attention (with Qwen3's q/k norms), the dense MLP, the two norms."""
+    entries = {}
+    for key, value in _LAYER.items():
+        if moe and key[0] == "mlp":
+            continue
+        entries[key] = value
+        if key == ("attn", "wo") and m.qk_norm:
+            entries.update(_QK_NORM)
+    return entries
 
 
 def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a LlamaForCausalLM checkpoint of this shape holds, with its shape, in
-    transformers' order (embedding, layers, final norm, head)."""
+    """Every tensor name a checkpoint of this model's family (`hf_model_type`) and shape holds, with
+    its shape, in transformers' order (embedding, layers, final norm, head)."""
     D, N, K, H, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
-    per_layer = {"self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
+    shapes_of = {"self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
                  "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
+                 "self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,),
                  "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
                  "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
-    if m.num_experts > 0:  # Mixtral's files: block_sparse_moe.gate [E, D], experts.j.w1/w3 [F, D], w2 [D, F]
-        Fe = m.moe_mlp_dim or F
-        mlp = {k: per_layer.pop(k) for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-        del mlp
-        norms = {k: per_layer.pop(k) for k in ("input_layernorm.weight", "post_attention_layernorm.weight")}
-        per_layer[f"{MOE}.gate.weight"] = (m.num_experts, D)
-        for e in range(m.num_experts):
-            per_layer.update({f"{MOE}.experts.{e}.w1.weight": (Fe, D), f"{MOE}.experts.{e}.w2.weight": (D, Fe),
-                              f"{MOE}.experts.{e}.w3.weight": (Fe, D)})
-        per_layer.update(norms)
+    module, experts = _moe_names(m)
+    Fe = m.moe_mlp_dim or F
+    expert_shapes = {"w_gate": (Fe, D), "w_up": (Fe, D), "w_down": (D, Fe)}
     shapes = {"model.embed_tokens.weight": (V, D)}
-    for i in range(m.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
+    for i, (_, _, moe) in enumerate(layer_slots(m)):
+        for key, (suffix, _, _) in _layer_entries(m, moe).items():
+            if moe and key == ("attn_norm", "scale"):  # the router and experts before the norms
+                shapes[f"model.layers.{i}.{module}.gate.weight"] = (m.num_experts, D)
+                for e in range(m.num_experts):
+                    for leaf, w in sorted(experts.items(), key=lambda kv: kv[1]):
+                        shapes[f"model.layers.{i}.{module}.experts.{e}.{w}.weight"] = expert_shapes[leaf]
+            shapes[f"model.layers.{i}.{suffix}"] = shapes_of[suffix]
     shapes["model.norm.weight"] = (D,)
     if not m.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
@@ -294,27 +459,37 @@ def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
         name, from_hf, _ = _TOP[key]
         return np.ascontiguousarray(from_hf(get(name).astype(np.float32), m))
 
-    blocks: dict = {}
-    moe = m.num_experts > 0
-    for (module, leaf), (suffix, from_hf, _) in _LAYER.items():
-        if moe and module == "mlp":
-            continue
-        first = from_hf(get(f"model.layers.0.{suffix}").astype(np.float32), m)
-        # Filled layer by layer: the peak is the fp32 model plus one source tensor, not twice the model.
-        stacked = np.empty((m.num_layers, *first.shape), np.float32)
-        stacked[0] = first
-        for i in range(1, m.num_layers):
-            stacked[i] = from_hf(get(f"model.layers.{i}.{suffix}").astype(np.float32), m)
-        blocks.setdefault(module, {})[leaf] = stacked
-    if moe:
-        L, E = m.num_layers, m.num_experts
-        mlp = blocks.setdefault("mlp", {})
-        mlp["router"] = np.stack([get(f"model.layers.{i}.{MOE}.gate.weight").astype(np.float32).T for i in range(L)])
-        for leaf, w in _EXPERTS.items():
-            mlp[leaf] = np.stack([np.stack([get(f"model.layers.{i}.{MOE}.experts.{e}.{w}.weight").astype(np.float32).T
-                                            for e in range(E)]) for i in range(L)])
-        mlp.update({k: np.ascontiguousarray(v) for k, v in mlp.items()})
-    params = {"blocks": blocks, "embed": top("embed"), "final_norm": {"scale": top("final_norm")}}
+    layers_of: dict[str, list[int]] = {}  # stack -> its HF layers, in stack order
+    for i, (stack, _, _) in enumerate(layer_slots(m)):
+        layers_of.setdefault(stack, []).append(i)
+    params: dict = {}
+    module, experts = _moe_names(m)
+    for stack, hf_layers in layers_of.items():
+        moe = stack == "blocks" and m.num_experts > 0
+        tree: dict = {}
+        for path, (suffix, from_hf, _) in _layer_entries(m, moe).items():
+            # Filled layer by layer: the peak is the fp32 model plus one source tensor, not twice the model.
+            stacked = None
+            for n, i in enumerate(hf_layers):
+                a = from_hf(get(f"model.layers.{i}.{suffix}").astype(np.float32), m)
+                if stacked is None:
+                    stacked = np.empty((len(hf_layers), *a.shape), np.float32)
+                stacked[n] = a
+            node = tree
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = stacked
+        if moe:
+            mlp = tree.setdefault("mlp", {})
+            mlp["router"] = np.stack([get(f"model.layers.{i}.{module}.gate.weight").astype(np.float32).T
+                                      for i in hf_layers])
+            for leaf, w in experts.items():
+                mlp[leaf] = np.stack([np.stack([get(f"model.layers.{i}.{module}.experts.{e}.{w}.weight")
+                                                .astype(np.float32).T for e in range(m.num_experts)])
+                                      for i in hf_layers])
+            mlp.update({k: np.ascontiguousarray(v) for k, v in mlp.items()})
+        params[stack] = tree
+    params.update({"embed": top("embed"), "final_norm": {"scale": top("final_norm")}})
     if not m.tie_embeddings:
         params["head"] = top("head")
     return params
@@ -326,19 +501,24 @@ def hf_tensors_from_params(params: dict, m: ModelConfig) -> Iterator[tuple[str, 
         return np.asarray(x, dtype=np.float32)
 
     yield "model.embed_tokens.weight", host(params["embed"])
-    moe = m.num_experts > 0
-    layer = {key: v for key, v in _LAYER.items() if not (moe and key[0] == "mlp")}
-    blocks = {key: host(params["blocks"][key[0]][key[1]]) for key in layer}
-    experts = {leaf: host(params["blocks"]["mlp"][leaf]) for leaf in (("router", *_EXPERTS) if moe else ())}
-    for i in range(m.num_layers):
-        for key, (suffix, _, to_hf) in layer.items():
+    module, experts = _moe_names(m)
+    stacks: dict[str, dict] = {}  # stack -> {(part, leaf): [layers, ...] fp32}, converted once
+    for i, (stack, j, moe) in enumerate(layer_slots(m)):
+        if stack not in stacks:
+            tree = params[stack]
+            stacks[stack] = {path: host(functools.reduce(lambda node, k: node[k], path, tree))
+                             for path in _layer_entries(m, moe)}
+            if moe:
+                stacks[stack].update({("mlp", leaf): host(tree["mlp"][leaf]) for leaf in ("router", *experts)})
+        arrays = stacks[stack]
+        for key, (suffix, _, to_hf) in _layer_entries(m, moe).items():
             if moe and key == ("attn_norm", "scale"):  # Mixtral's order: attention, router, experts, norms
-                yield f"model.layers.{i}.{MOE}.gate.weight", np.ascontiguousarray(experts["router"][i].T)
+                yield f"model.layers.{i}.{module}.gate.weight", np.ascontiguousarray(arrays[("mlp", "router")][j].T)
                 for e in range(m.num_experts):
-                    for leaf, w in sorted(_EXPERTS.items(), key=lambda kv: kv[1]):
-                        yield (f"model.layers.{i}.{MOE}.experts.{e}.{w}.weight",
-                               np.ascontiguousarray(experts[leaf][i, e].T))
-            yield f"model.layers.{i}.{suffix}", np.ascontiguousarray(to_hf(blocks[key][i], m))
+                    for leaf, w in sorted(experts.items(), key=lambda kv: kv[1]):
+                        yield (f"model.layers.{i}.{module}.experts.{e}.{w}.weight",
+                               np.ascontiguousarray(arrays[("mlp", leaf)][j, e].T))
+            yield f"model.layers.{i}.{suffix}", np.ascontiguousarray(to_hf(arrays[key][j], m))
     yield "model.norm.weight", host(params["final_norm"]["scale"])
     if not m.tie_embeddings:
         yield "lm_head.weight", np.ascontiguousarray(host(params["head"]).T)

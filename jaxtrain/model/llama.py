@@ -73,7 +73,11 @@ def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: N query heads share K key/value heads."""
+    """Grouped-query attention: N query heads share K key/value heads.
+
+    `model.qk_norm` (Qwen3): q and k are RMS-normalised over each head's H channels right after
+    their projections, before rotary (q_norm(q_proj(x)), then rope), with one [H] scale each.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -85,12 +89,22 @@ class Attention(nnx.Module):
         self.theta, self.implementation = cfg.rope_theta, cfg.attention
         self.llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                         cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(H, cfg.norm_eps)
+            self.k_norm = RMSNorm(H, cfg.norm_eps)
+
+    def _qk_norm(self, q_BLNH, k_BLKH):
+        """q and k per-head RMS-normalised (model.qk_norm), else as they are."""
+        if not hasattr(self, "q_norm"):
+            return q_BLNH, k_BLKH
+        return self.q_norm(q_BLNH), self.k_norm(k_BLKH)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
         # Each projection's output carries a checkpoint name (see REMAT_POLICIES).
         q_BLNH = checkpoint_name(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype), "query_proj")
         k_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wk[...], dtype), "key_proj")
         v_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wv[...], dtype), "value_proj")
+        q_BLNH, k_BLKH = self._qk_norm(q_BLNH, k_BLKH)
         q_BLNH = part.constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3),
                                 ("batch", "length", "heads", "head_dim"))
         k_BLKH = part.constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3),
@@ -103,8 +117,10 @@ class Attention(nnx.Module):
         """New tokens (contiguous positions per row) attend over the KV cache they are written into.
 
         `cache` = {"k", "v"}: [B, S, K, H], slot s = position s. -> (out_BLD, the updated cache)."""
-        q_BLNH = rotary(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype), positions_BL, self.theta, self.llama3)
-        k_BLKH = rotary(project("bld,dkh->blkh", x_BLD, self.wk[...], dtype), positions_BL, self.theta, self.llama3)
+        q_BLNH, k_BLKH = self._qk_norm(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype),
+                                       project("bld,dkh->blkh", x_BLD, self.wk[...], dtype))
+        q_BLNH = rotary(q_BLNH, positions_BL, self.theta, self.llama3)
+        k_BLKH = rotary(k_BLKH, positions_BL, self.theta, self.llama3)
         v_BLKH = project("bld,dkh->blkh", x_BLD, self.wv[...], dtype)
         names = ("batch", None, "kv_heads", "head_dim")
         cache = {name: part.constrain(write_cache(cache[name], new, positions_BL[:, 0]), names)

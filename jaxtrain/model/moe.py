@@ -5,7 +5,8 @@ Shape suffixes as in llama.py, plus E experts, k experts per token, F each exper
 Routing (`route`), in fp32 whatever the compute dtype:
 - `softmax` (Mixtral): probabilities softmax(logits); the top-k are chosen on probabilities + bias
   and, for k > 1, renormalised over the chosen k (for k = 1 the gate is the raw probability, as in
-  Switch, so the task loss still reaches the router).
+  Switch, so the task loss still reaches the router). With `model.moe_norm_topk_prob=false`
+  (Qwen3-MoE's `norm_topk_prob: false`) the gates are the chosen probabilities as they are.
 - `sigmoid` (DeepSeek-V3): scores sigmoid(logits); the top-k are chosen on scores + bias; the gates
   are the chosen scores over their sum.
 The routing bias (`[E]` per layer, the train state's `moe.router_bias`, not a parameter) only
@@ -48,11 +49,12 @@ def expert_dim(cfg: ModelConfig) -> int:
     return cfg.moe_mlp_dim or cfg.mlp_dim
 
 
-def route(logits_TE: jax.Array, bias_E: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits_TE: jax.Array, bias_E: jax.Array, k: int, router: str,
+          norm_topk: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(experts [..., k] int32, gates [..., k] fp32, probabilities [..., E] fp32) from fp32 logits.
 
     The probabilities are what the load-balancing loss's P_i averages (sigmoid scores normalised
-    over the experts for `sigmoid`).
+    over the experts for `sigmoid`). `norm_topk` (softmax, k > 1): renormalise the chosen k.
     """
     if router == "softmax":
         probs = jax.nn.softmax(logits_TE, axis=-1)
@@ -62,7 +64,7 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, k: int, router: str) -> tuple
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     _, experts = jax.lax.top_k(jax.lax.stop_gradient(scores) + jax.lax.stop_gradient(bias_E), k)
     gates = jnp.take_along_axis(scores, experts, axis=-1)
-    if router == "sigmoid" or k > 1:
+    if router == "sigmoid" or (k > 1 and norm_topk):
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return experts.astype(jnp.int32), gates, probs
 
@@ -105,12 +107,13 @@ class MoE(nnx.Module):
             self.shared_up = _param(rngs, (D, S), ("embed", "mlp"), cfg.init_std)
             self.shared_down = _param(rngs, (S, D), ("mlp", "embed"), down_std)
         self.k, self.router_kind, self.num_experts = cfg.experts_per_token, cfg.moe_router, E
+        self.norm_topk = cfg.moe_norm_topk_prob
         self.capacity_factor, self.shared = cfg.capacity_factor, cfg.num_shared_experts
 
     def __call__(self, x_BLD: jax.Array, dtype: Any, part: Partitioning, bias_E: jax.Array) -> tuple[jax.Array, dict]:
         logits_BLE = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...])
         logits_BLE = part.constrain(logits_BLE, ("batch", "length", None))
-        experts_BLk, gates_BLk, probs_BLE = route(logits_BLE, bias_E, self.k, self.router_kind)
+        experts_BLk, gates_BLk, probs_BLE = route(logits_BLE, bias_E, self.k, self.router_kind, self.norm_topk)
         stats = routing_stats(logits_BLE, experts_BLk, probs_BLE, self.num_experts)
         y_BLD, dropped = routed_experts(x_BLD, experts_BLk, gates_BLk, self.w_gate[...], self.w_up[...],
                                         self.w_down[...], self.capacity_factor, dtype, part)

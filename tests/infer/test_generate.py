@@ -1,7 +1,7 @@
 """Decoding with a KV cache (jaxtrain.infer.generate) against transformers' `generate` on the same
 weights, and the properties of sampling, sharding and compilation that a user relies on.
 
-The models are random tiny Llama and Mixtral models built by transformers, imported with the real
+The models are random tiny Llama, Mixtral, Qwen3 and Qwen3-MoE models built by transformers, imported with the real
 `import-hf` verb, read back from the import's checkpoint: greedy decoding must give transformers'
 tokens, one by one, and the logits each token was chosen from (fp32, <= 1e-4).
 """
@@ -27,6 +27,7 @@ from jaxtrain.config import ConfigError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
 from test_hf import LLAMA3, jax_params, make_hf  # noqa: E402
 from test_mixtral import make_mixtral  # noqa: E402
+from test_qwen3 import make_qwen3  # noqa: E402
 
 # Prompts of different lengths in one batch (one past a prompt bucket of 16, one of a single token).
 PROMPTS = [[5, 17, 3, 60, 2, 9, 41], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 30],
@@ -51,11 +52,16 @@ def imported(src: Path, tmp_path: Path) -> Generator:
     return Generator(cfg.model, params)
 
 
-@pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "head-dim-16", "mixtral"])
+@pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "head-dim-16", "mixtral", "qwen3",
+                                     "qwen3-moe"])
 def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
     src = tmp_path / "src"
     if variant == "mixtral":
         make_mixtral(src)
+    elif variant == "qwen3":  # QK-norm in the cached decode path
+        make_qwen3(src, tied=True)
+    elif variant == "qwen3-moe":  # and routing without renormalising, dense layers between the MoE ones
+        make_qwen3(src, {"norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 4})
     else:
         make_hf(src, tied=variant == "tied", rope=LLAMA3 if variant == "llama3-rope" else None,
                 head_dim=16 if variant == "head-dim-16" else None)

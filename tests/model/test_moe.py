@@ -44,7 +44,7 @@ def reference(p: dict, x: np.ndarray, bias: np.ndarray, cfg: ModelConfig) -> np.
     k = cfg.experts_per_token
     chosen = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :k]
     gates = np.take_along_axis(scores, chosen, -1)
-    if cfg.moe_router == "sigmoid" or k > 1:
+    if cfg.moe_router == "sigmoid" or (k > 1 and cfg.moe_norm_topk_prob):
         gates = gates / gates.sum(-1, keepdims=True)
     y = np.zeros_like(T)
     for e in range(cfg.num_experts):
@@ -59,6 +59,7 @@ def reference(p: dict, x: np.ndarray, bias: np.ndarray, cfg: ModelConfig) -> np.
 CASES = {
     "top1": dict(experts_per_token=1),
     "top2": dict(),
+    "top2_not_renormalised": dict(moe_norm_topk_prob=False),  # Qwen3-MoE's norm_topk_prob: false
     "top2_shared": dict(num_shared_experts=2),
     "top2_sigmoid_bias": dict(moe_router="sigmoid"),
     "top2_capacity_nodrop": dict(capacity_factor=float(E)),

@@ -76,3 +76,24 @@ def test_inspect_deepseek_preset_compiles_from_shapes():
     # 8 of the 64 experts per device: 2 MoE layers x 3 matrices of 2048 x 1408 x 8, fp32.
     assert moe["expert_weight_bytes_per_device"] == 2 * 3 * 2048 * 1408 * 8 * 4
     assert moe["all_to_all_ratio"] == pytest.approx(1.0, rel=0.01), moe
+
+
+def test_qwen3_presets_have_qwen3s_parameter_counts():
+    dense, moe = (load_config(REPO / f"configs/{name}.yaml") for name in ("qwen3-0.6b", "qwen3-30b-a3b"))
+    assert count(dense) == 596_049_920  # Qwen3-0.6B: tied, q/k norms included
+    assert count(moe) == 30_532_122_624  # Qwen3-30B-A3B
+    D, L, V = 2048, 48, 151936
+    attention = D * 128 * (2 * 32 + 2 * 4)
+    assert matmul_params(moe.model) == L * (attention + D * 128 + 3 * D * 768 * 8) + D * V  # top-8 + the router
+
+
+def test_inspect_qwen3_moe_preset_compiles_from_shapes():
+    report = inspect("configs/qwen3-30b-a3b.yaml", "model.num_layers=2", "data.seq_len=256",
+                     "data.global_batch_size=8", "precision.policy=fp32")
+    moe = report["moe"]
+    assert report["mesh"]["expert"] == 8 and moe["dispatch"] == "capacity" and moe["expert_ways"] == 8
+    # 16 of the 128 experts per device: 2 layers x 3 matrices of 2048 x 768 x 16, fp32.
+    assert moe["expert_weight_bytes_per_device"] == 2 * 3 * 2048 * 768 * 16 * 4
+    # Group: 8 x 256 / 8 devices = 256 tokens; C = ceil(1.25 x 256 x 8 / 128) = 20.
+    assert moe["group_tokens"] == 256 and moe["capacity_per_expert"] == 20
+    assert moe["all_to_all_ratio"] == pytest.approx(1.0, rel=0.01), moe

@@ -61,6 +61,15 @@ def test_expert4_data2_equals_data8(dispatch):
     assert_runs_equal(got, want)
 
 
+def test_expert4_data2_equals_data8_with_qwen3_moe_routing():
+    """Qwen3-MoE's family: QK-norm, softmax top-k gates not renormalised (norm_topk_prob: false),
+    a dense layer then an MoE layer (decoder_sparse_step: 2), dropless as transformers runs it."""
+    common = ["model.qk_norm=true", "model.moe_norm_topk_prob=false", "model.moe_every=2", "model.capacity_factor=0"]
+    want = run(["mesh.data=8", *common])
+    got = run(["mesh.data=2", "mesh.expert=4", *common])
+    assert_runs_equal(got, want)
+
+
 def test_expert_parallel_with_fsdp_and_tensor_and_interleaved_dense_layers():
     """moe_every=2: a dense layer, then an MoE layer; the dense one's MLP split over tensor."""
     common = ["model.capacity_factor=4.0", "model.moe_every=2"]

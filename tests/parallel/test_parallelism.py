@@ -20,12 +20,15 @@ BASE = [
     "optim.learning_rate=1e-3",  # Adam magnifies float noise in ~0 gradients by lr
 ]
 GQA = ["model.num_kv_heads=4"]
+QK_NORM = ["model.qk_norm=true"]  # Qwen3's per-head q/k RMSNorm: its [head_dim] scales replicated
 
 LAYOUTS = {
     "data8": ["mesh.data=8"],
     "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
     "tensor8": ["mesh.data=1", "mesh.tensor=8"],
     "data2_fsdp2_tensor2_gqa": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *GQA],
+    "data2_tensor4_gqa_qknorm": ["mesh.data=2", "mesh.tensor=4", *GQA, *QK_NORM],
+    "fsdp8_qknorm": ["mesh.data=1", "mesh.fsdp=8", *QK_NORM],
 }
 
 
@@ -52,13 +55,21 @@ def run(overrides: list[str], devices) -> tuple[dict, dict, list[float], dict]:
 @pytest.fixture(scope="module")
 def single_device_runs():
     one = jax.devices()[:1]
-    return {"mha": run([], one), "gqa": run(GQA, one)}
+    runs: dict = {}
+
+    def reference(model: tuple[str, ...]) -> tuple:
+        """The one-device run of these model overrides, run once."""
+        if model not in runs:
+            runs[model] = run(list(model), one)
+        return runs[model]
+    return reference
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_device(layout, single_device_runs):
     overrides = LAYOUTS[layout]
-    ref_metrics, ref_grads, ref_losses, ref_params = single_device_runs["gqa" if GQA[0] in overrides else "mha"]
+    model = tuple(o for o in overrides if o.startswith("model."))
+    ref_metrics, ref_grads, ref_losses, ref_params = single_device_runs(model)
     metrics, grads, losses, params = run(overrides, jax.devices())
     for key in ("loss", "grad_norm"):
         assert abs(metrics[key] - ref_metrics[key]) <= 1e-5 * abs(ref_metrics[key]), (key, metrics[key], ref_metrics[key])
