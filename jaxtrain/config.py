@@ -294,8 +294,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # base of the rotary position embedding's frequencies
     # Llama 3.1 long-context rope: "llama3" rescales the rotary frequencies with the four keys below
     # (the formula of Meta's reference code and transformers' `_compute_llama3_parameters`).
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_scaling_factor: float = 8.0  # llama3: long wavelengths are stretched by this factor
+    # "linear" (Gemma 3's global layers) divides every position by rope_scaling_factor. With a
+    # sliding window the scaling applies to the global layers only.
+    rope_scaling: Literal["none", "llama3", "linear"] = "none"
+    rope_scaling_factor: float = 8.0  # llama3: long wavelengths are stretched by this factor; linear: positions / this
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are fully scaled
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept as they are
     rope_original_max_len: int = 8192  # llama3: context length the model was pretrained with
@@ -303,6 +305,23 @@ class ModelConfig:
     # Qwen3's QK-norm: an RMSNorm over each head's channels (a [head_dim] scale shared by the heads) on
     # the projected queries and keys, before rotary.
     qk_norm: bool = False
+    # Gemma 3's keys (each off by default, as Llama; docs/hf.md). Every RMSNorm scales by (1 + w), w
+    # initialised at 0 (stored as w, as Gemma's checkpoints are).
+    norm_plus_one: bool = False
+    # Embeddings multiplied by sqrt(d_model), the factor cast to the compute dtype first (as transformers does).
+    embed_scale: bool = False
+    # Extra RMSNorms on the attention's and the MLP's outputs, before each residual add.
+    post_norms: bool = False
+    # The gated MLP's gate activation: silu (SwiGLU) or gelu with the tanh approximation (GeGLU).
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    # Attention scores are q.k / sqrt(this) (Gemma's query_pre_attn_scalar); 0 = head_dim.
+    query_pre_attn_scalar: int = 0
+    # Sliding-window attention (docs/kernels.md): > 0 = a local layer's query sees itself and the
+    # sliding_window - 1 tokens before it; 0 = no window anywhere.
+    sliding_window: int = 0
+    # With a window: layer i is global (full causal) iff (i + 1) % this == 0 (Gemma 3: 6); 0 = every layer local.
+    sliding_window_pattern: int = 0
+    rope_local_theta: float = 0.0  # rotary base of the local layers (Gemma 3: 10000); 0 = rope_theta
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
     # Activation checkpointing (docs/pipeline.md, "Remat policies"): what the backward pass keeps of each layer
@@ -329,6 +348,16 @@ class ModelConfig:
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss alpha * E * sum_i f_i P_i, per MoE layer
     router_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)**2), per MoE layer
     router_bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate * sign(mean load - load) per step
+
+    def layer_is_local(self, i: int) -> bool:
+        """Whether layer i attends through the sliding window (model.sliding_window, _pattern)."""
+        p = self.sliding_window_pattern
+        return self.sliding_window > 0 and (p == 0 or (i + 1) % p != 0)
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers local, others global: the scanned stack picks per layer (a lax.cond)."""
+        return len({self.layer_is_local(i) for i in range(self.num_layers)}) > 1
 
     @property
     def num_moe_layers(self) -> int:
@@ -358,6 +387,18 @@ class ModelConfig:
                                   "smoothed band)")
             if self.rope_original_max_len <= 0:
                 raise ConfigError(f"model.rope_original_max_len={self.rope_original_max_len} must be positive")
+        if self.rope_scaling == "linear" and not self.rope_scaling_factor >= 1.0:
+            raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be >= 1 (1 = no scaling)")
+        for key in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")
+        if self.mlp_activation != "silu" and self.num_experts > 0:
+            raise ConfigError(f"model.mlp_activation={self.mlp_activation} with model.num_experts={self.num_experts}: "
+                              "the experts are SwiGLU (silu) only; use mlp_activation=silu with MoE")
+        if self.mixed_windows and self.num_experts > 0:
+            raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} with model.num_experts="
+                              f"{self.num_experts}: local and global layers in a mixture of experts are not built yet "
+                              "(a window in every layer is: sliding_window_pattern=0)")
 
     def _validate_moe(self) -> None:
         """The mixture-of-experts keys (model.num_experts > 0; docs/moe.md). mesh.expert without
@@ -1181,6 +1222,10 @@ def validate_pipeline(cfg: Config, stages: int) -> None:
     if (layers if isinstance(layers, list) else [layers]) != ["stage"]:
         raise ConfigError(f"mesh.stage={stages} needs mesh.rules['layers'] = stage (pipeline stages split the stacked "
                           f"layers), got {layers!r}")
+    if m.mixed_windows:
+        raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} with mesh.stage={stages}: local and "
+                          "global layers inside pipeline stages are not built yet; use mesh.stage=1 or a window in "
+                          "every layer (sliding_window_pattern=0)")
     groups = stages * p.repeats
     # What the stages split: the layers, or a mixture of experts' units (one MoE layer with its
     # moe_every - 1 dense layers; the first dense layers run before the pipeline).
@@ -1204,6 +1249,9 @@ def validate_context(cfg: Config, context: int) -> None:
     phase 2 again once a -1 axis is resolved). Raises ConfigError."""
     if context <= 1:
         return
+    if cfg.model.sliding_window > 0:
+        raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} with mesh.context={context}: the context "
+                          "ring cannot skip the hops outside a window yet; use mesh.context=1")
     order, seq = cfg.context.order, cfg.data.seq_len
     chunks = 2 * context if order == "zigzag" else context
     if seq % chunks:

@@ -106,6 +106,7 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["mesh.rules={lenght: data}"], "unknown logical axis 'lenght'; did you mean 'length'?"),
     (["model.attention=pallas", "mesh.data=2", "mesh.fsdp=4", "mesh.rules={length: fsdp}"],
      "each shard would attend only within its chunk"),
+    (["model.sliding_window=4", "mesh.context=2", "mesh.data=4"], "model.sliding_window=4 with mesh.context=2"),
 ])
 def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"

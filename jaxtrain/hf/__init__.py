@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE checkpoints in and out: `jaxtrain import-hf` and
+"""Hugging Face Llama, Mixtral, Qwen3, Qwen3-MoE and Gemma 3 (text) checkpoints in and out: `jaxtrain import-hf` and
 `jaxtrain export-hf`.
 
 Import reads `config.json` and `*.safetensors` (one file, or shards with

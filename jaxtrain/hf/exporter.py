@@ -1,5 +1,5 @@
 """`jaxtrain export-hf RUN_DIR --output DST`: a run's parameters -> a Hugging Face directory (Llama,
-Mixtral, Qwen3 or Qwen3-MoE: `jaxtrain.hf.mapping.hf_model_type`).
+Mixtral, Qwen3, Qwen3-MoE or Gemma 3: `jaxtrain.hf.mapping.hf_model_type`).
 
 RUN_DIR may be local or a gs:// / s3:// URL (a run trained into a bucket): config.yaml,
 hf_config.json and the tokenizer files are read as objects, the checkpoint through the same

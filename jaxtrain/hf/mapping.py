@@ -1,8 +1,9 @@
-"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE <-> jaxtrain: config fields and weight layout,
+"""Hugging Face Llama, Mixtral, Qwen3, Qwen3-MoE and Gemma 3 (text) <-> jaxtrain: config fields and weight layout,
 as pure functions on dicts and numpy arrays (no files, no JAX).
 
 Which family a jaxtrain model is written as (`hf_model_type`): dense -> Llama, or Qwen3 with
-`model.qk_norm`; a mixture of experts -> Mixtral, or Qwen3-MoE with `model.qk_norm`.
+`model.qk_norm`; a mixture of experts -> Mixtral, or Qwen3-MoE with `model.qk_norm`; Gemma 3
+(Gemma3ForCausalLM) with `model.post_norms`.
 
 Weight layout (HF Linear weights are [out, in]; jaxtrain stacks layers on a leading axis L):
 
@@ -22,6 +23,10 @@ Weight layout (HF Linear weights are [out, in]; jaxtrain stacks layers on a lead
     Qwen3 and Qwen3-MoE also:
     model.layers.i.self_attn.q_norm [H]          blocks.attn.q_norm.scale [L, H]
     model.layers.i.self_attn.k_norm [H]          blocks.attn.k_norm.scale [L, H]
+    Gemma 3 (norm weights w of (1 + w), stored as they are) instead of Llama's post_attention_layernorm:
+    model.layers.i.post_attention_layernorm [D]  blocks.post_attn_norm.scale [L, D]
+    model.layers.i.pre_feedforward_layernorm [D] blocks.mlp_norm.scale    [L, D]
+    model.layers.i.post_feedforward_layernorm [D] blocks.post_mlp_norm.scale [L, D]
     MoE layers (Mixtral's files: block_sparse_moe.gate, experts.j.w1/w3/w2; Qwen3-MoE's: mlp.gate,
     mlp.experts.j.gate_proj/up_proj/down_proj):
     ...gate.weight                  [E, D]       blocks.mlp.router        [L, D, E]
@@ -91,6 +96,10 @@ def _rope_from_hf(hf: dict) -> dict:
                           "(jaxtrain rotates the whole head)")
     if rope_type == "default":
         out["rope_scaling"] = "none"
+    elif rope_type == "linear":  # positions / factor (transformers: every frequency / factor)
+        if "factor" not in params:
+            raise ConfigError(f"config.json field '{where}' (rope_type linear) lacks factor")
+        out.update(rope_scaling="linear", rope_scaling_factor=_float_field(hf, f"{where}.factor", params["factor"]))
     elif rope_type == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
         if missing:
@@ -105,18 +114,80 @@ def _rope_from_hf(hf: dict) -> dict:
                                                     "original_max_position_embeddings"))
     else:
         raise ConfigError(f"config.json field '{where}.rope_type'={rope_type!r} is not supported "
-                          "(jaxtrain implements 'default' and 'llama3')")
+                          "(jaxtrain implements 'default', 'linear' and 'llama3')")
     return out
+
+
+def _gemma3_rope_from_hf(hf: dict) -> dict:
+    """Gemma 3's two rotary settings: `full_attention` (the global layers: rope_theta and its
+    scaling) and `sliding_attention` (the local layers: rope_local_theta, no scaling), from
+    transformers 5's `rope_parameters` per layer type or 4.x's rope_theta / rope_local_base_freq /
+    rope_scaling."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        full = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
+        sliding = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    else:
+        if not isinstance(params, dict) or set(params) - {"full_attention", "sliding_attention"} or not all(
+                isinstance(v, dict) for v in params.values()):
+            raise ConfigError(f"config.json field 'rope_parameters'={params!r} is not supported (Gemma 3: one "
+                              "mapping per layer type, full_attention and sliding_attention)")
+        full = {"rope_theta": 1_000_000.0, **params.get("full_attention", {})}
+        sliding = {"rope_theta": 10_000.0, **params.get("sliding_attention", {})}
+    out = _rope_from_hf({"rope_parameters": full, "max_position_embeddings": hf.get("max_position_embeddings")})
+    if sliding.get("rope_type", sliding.get("type", "default")) != "default" or set(sliding) - {
+            "rope_type", "type", "rope_theta"}:
+        raise ConfigError(f"config.json field 'rope_parameters.sliding_attention'={sliding!r} is not supported "
+                          "(jaxtrain's local layers use the default rope: rope_theta only)")
+    out["rope_local_theta"] = _float_field(hf, "rope_parameters.sliding_attention.rope_theta", sliding["rope_theta"])
+    return out
+
+
+def _gemma3_from_hf(hf: dict, num_layers: int) -> dict:
+    """The Gemma 3 keys (norm_plus_one, embed_scale, post_norms, GeGLU, qk_norm, the attention scale,
+    the windows) of a Gemma3ForCausalLM config.json; softcapping and bidirectional attention refused."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise ConfigError(f"config.json field '{name}'={hf[name]!r} is not supported (jaxtrain has no tanh "
+                              "softcapping; null, as Gemma 3 sets it)")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("config.json field 'use_bidirectional_attention'=true is not supported (jaxtrain's "
+                          "attention is causal)")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ConfigError(f"config.json field 'hidden_activation'={hf['hidden_activation']!r} is not supported "
+                          "(jaxtrain's GeGLU is gelu with the tanh approximation: gelu_pytorch_tanh)")
+    kinds = hf.get("layer_types")
+    if kinds is None:  # older configs: every pattern-th layer global
+        pattern = _int_field(hf, "sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    if (not isinstance(kinds, list) or len(kinds) != num_layers
+            or set(kinds) - {"full_attention", "sliding_attention"}):
+        raise ConfigError(f"config.json field 'layer_types'={kinds!r} is not supported (one of full_attention, "
+                          f"sliding_attention per layer, {num_layers} layers)")
+    local = [k == "sliding_attention" for k in kinds]
+    window, pattern = 0, 0
+    if any(local):
+        window = _int_field(hf, "sliding_window")
+        if not all(local):
+            pattern = local.index(False) + 1  # the first global layer is the pattern-th
+            if any(local[i] != ((i + 1) % pattern != 0) for i in range(num_layers)):
+                raise ConfigError(f"config.json field 'layer_types'={kinds!r} is not supported (jaxtrain's layer i is "
+                                  "global iff (i + 1) % model.sliding_window_pattern == 0)")
+    return {"qk_norm": True, "norm_plus_one": True, "embed_scale": True, "post_norms": True,
+            "mlp_activation": "gelu_tanh", "sliding_window": window, "sliding_window_pattern": pattern,
+            "query_pre_attn_scalar": _int_field(hf, "query_pre_attn_scalar", 256)}
 
 
 # model_type -> the one architecture jaxtrain reads and writes for it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face family a jaxtrain model is written as: Qwen3 (dense) or Qwen3-MoE with
-    `model.qk_norm`, else Llama (dense) or Mixtral."""
+    `model.qk_norm`, else Llama (dense) or Mixtral; Gemma 3 (text) with `model.post_norms`."""
+    if m.post_norms:
+        return "gemma3_text"
     if m.num_experts > 0:
         return "qwen3_moe" if m.qk_norm else "mixtral"
     return "qwen3" if m.qk_norm else "llama"
@@ -142,7 +213,8 @@ def model_section_from_hf(hf: dict) -> dict:
     if list(archs) != [arch]:
         raise ConfigError(f"config.json field 'architectures'={archs!r} is not supported (model_type "
                           f"{model_type!r}: only {arch})")
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+    gemma = model_type == "gemma3_text"
+    if not gemma and hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"config.json field 'hidden_act'={hf.get('hidden_act')!r} is not supported "
                           "(jaxtrain's MLP is SwiGLU: silu)")
     for flag in ("attention_bias", "mlp_bias"):
@@ -171,8 +243,8 @@ def model_section_from_hf(hf: dict) -> dict:
         "mlp_dim": _int_field(hf, "intermediate_size"),
         "max_seq_len": _int_field(hf, "max_position_embeddings", 2048),  # transformers' default
         "norm_eps": _float_field(hf, "rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),  # transformers' default
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        **_rope_from_hf(hf),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", gemma)),  # transformers' defaults
+        **(_gemma3_rope_from_hf(hf) if gemma else _rope_from_hf(hf)),
     }
     if isinstance(hf.get("initializer_range"), (int, float)) and hf["initializer_range"] > 0:
         section["init_std"] = float(hf["initializer_range"])
@@ -183,6 +255,8 @@ def model_section_from_hf(hf: dict) -> dict:
         section["qk_norm"] = True
     if model_type == "qwen3_moe":
         section.update(_qwen3_moe_from_hf(hf, section["num_layers"]))
+    if gemma:
+        section.update(_gemma3_from_hf(hf, section["num_layers"]))
     return section
 
 
@@ -290,6 +364,8 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
       carried: source fields to keep (bos/eos/pad token ids), from the imported config.json.
     """
     rope: dict = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": m.rope_theta, "factor": m.rope_scaling_factor}
     if m.rope_scaling == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": m.rope_theta, "factor": m.rope_scaling_factor,
                 "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
@@ -302,11 +378,23 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
         "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
         "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
         "rope_parameters": rope, "rope_theta": m.rope_theta,
-        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling == "llama3" else None,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if m.rope_scaling != "none" else None,
         "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "initializer_range": m.init_std, "use_cache": True,
         "dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype],
     }
+    if model_type == "gemma3_text":
+        out.update(_gemma3_to_hf(m, rope))
+        out.pop("hidden_act"), out.pop("mlp_bias")  # Gemma's activation key is hidden_activation
+    else:
+        gemma_keys = {"model.norm_plus_one": m.norm_plus_one, "model.embed_scale": m.embed_scale,
+                      "model.mlp_activation=gelu_tanh": m.mlp_activation != "silu",
+                      "model.query_pre_attn_scalar": m.query_pre_attn_scalar not in (0, m.head_dim),
+                      "model.sliding_window": m.sliding_window > 0}
+        named = [k for k, v in gemma_keys.items() if v]
+        if named:
+            raise ConfigError(f"export-hf: {ARCHITECTURES[model_type]} cannot represent {', '.join(named)} (Gemma 3's "
+                              "keys: Gemma3ForCausalLM is written with model.post_norms=true)")
     if model_type == "mixtral":
         refused = {"model.moe_router": m.moe_router != "softmax", "model.num_shared_experts": m.num_shared_experts,
                    "model.first_dense_layers": m.first_dense_layers, "model.moe_every": m.moe_every != 1,
@@ -343,6 +431,26 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
         if carried and k in carried:
             out[k] = carried[k]
     return out
+
+
+def _gemma3_to_hf(m: ModelConfig, rope: dict) -> dict:
+    """The Gemma3ForCausalLM fields (replacing Llama's) of a model with model.post_norms; what
+    Gemma 3 cannot represent is refused by name."""
+    refused = {"model.num_experts": m.num_experts > 0, "model.norm_plus_one=false": not m.norm_plus_one,
+               "model.embed_scale=false": not m.embed_scale, "model.qk_norm=false": not m.qk_norm,
+               "model.mlp_activation=silu": m.mlp_activation != "gelu_tanh"}
+    named = [k for k, v in refused.items() if v]
+    if named:
+        raise ConfigError(f"export-hf: Gemma3ForCausalLM (model.post_norms=true) cannot represent {', '.join(named)} "
+                          "(Gemma 3: (1 + w) norms, scaled embeddings, QK-norm, GeGLU, dense)")
+    kinds = ["sliding_attention" if m.layer_is_local(i) else "full_attention" for i in range(m.num_layers)]
+    local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
+    return {"hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {"full_attention": rope, "sliding_attention": local},
+            "rope_local_base_freq": local["rope_theta"],  # transformers 4.x's name
+            "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+            "sliding_window": m.sliding_window or None, "layer_types": kinds,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False}
 
 
 # ----------------------------------------------------------------------------- weight mapping
@@ -383,6 +491,13 @@ _QK_NORM: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
     ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", lambda t, m: t, lambda a, m: a),
 }
 
+# Gemma 3's four norms per layer (model.post_norms): the MLP's input norm is pre_feedforward_layernorm.
+_POST_NORMS: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
+    ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", lambda t, m: t, lambda a, m: a),
+    ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", lambda t, m: t, lambda a, m: a),
+    ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", lambda t, m: t, lambda a, m: a),
+}
+
 MOE = "block_sparse_moe"  # Mixtral's module name in its checkpoint files (transformers 4 and 5 alike)
 # jaxtrain [E, D, F] / [E, F, D] <- HF [out, in] per expert: Mixtral's names, Qwen3-MoE's.
 _EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
@@ -418,6 +533,8 @@ def _layer_entries(m: ModelConfig, moe: bool) -> dict[tuple[str, ...], tuple[str
         entries[key] = value
         if key == ("attn", "wo") and m.qk_norm:
             entries.update(_QK_NORM)
+    if m.post_norms:  # Gemma 3: post_attention_layernorm is the attention's output norm
+        entries.update(_POST_NORMS)
     return entries
 
 
@@ -429,7 +546,8 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
                  "self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,),
                  "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
-                 "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+                 "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+                 "pre_feedforward_layernorm.weight": (D,), "post_feedforward_layernorm.weight": (D,)}
     module, experts = _moe_names(m)
     Fe = m.moe_mlp_dim or F
     expert_shapes = {"w_gate": (Fe, D), "w_up": (Fe, D), "w_down": (D, Fe)}

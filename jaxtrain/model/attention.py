@@ -73,7 +73,7 @@ def repeat_kv_heads(k_BLKH: jax.Array, num_heads: int, shards: int) -> jax.Array
 @jax.named_scope("attention")  # `jaxtrain profile-summary` counts the ops under this scope as attention
 def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_BL: jax.Array | None,
            implementation: str, partitioning: Partitioning, *, platform: str | None = None,
-           available: tuple[str, ...] | None = None) -> jax.Array:
+           available: tuple[str, ...] | None = None, window: int | None = None) -> jax.Array:
     """Causal grouped-query attention [B, L, N, H] with `model.attention`'s implementation.
 
     `xla` is plain jnp that XLA partitions itself; a kernel is opaque to the partitioner, so it
@@ -81,16 +81,19 @@ def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_
     the kernel call the kv heads are split like the query heads, repeated first when there are
     fewer kv heads than head shards (`repeat_kv_heads`), so any tensor degree that divides the
     query heads works. `platform` (None = the mesh's devices, else JAX's default backend) and
-    `available` are for tests, as in `resolve_attention`.
+    `available` are for tests, as in `resolve_attention`. `window`: the sliding window (static) of
+    `kernels.flash_attention`, or None; refused with context parallelism (config validation).
     """
     if platform is None:
         platform = (partitioning.mesh.devices.flat[0].platform if partitioning.mesh is not None
                     else jax.default_backend())
     implementation = kernels.resolve_implementation(implementation, platform, q_BLNH.dtype, available)
     if partitioning.context is not None:
+        if window is not None:
+            raise ConfigError(f"model.sliding_window={window} with context parallelism is not built yet")
         return _context_attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, implementation, partitioning)
     run = lambda q, k, v, seg: kernels.flash_attention(q, k, v, causal=True, segment_ids=seg,
-                                                       implementation=implementation)
+                                                       implementation=implementation, window=window)
     if implementation == "xla":
         return run(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     N, shards = q_BLNH.shape[2], partitioning.ways("heads")
@@ -133,12 +136,13 @@ def write_cache(cache_BSKH: jax.Array, new_BLKH: jax.Array, start_B: jax.Array) 
 
 
 @jax.named_scope("attention")
-def attend_cached(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, positions_BL: jax.Array) -> jax.Array:
+def attend_cached(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, positions_BL: jax.Array,
+                  window: int | None = None) -> jax.Array:
     """Grouped-query attention of new queries over a KV cache: [B, L, N, H].
 
     Cache slot s holds the token at position s of its row, so a query at position p sees slots
     0..p: the causal mask, and slots past p (padding of a shorter prompt, or not yet written) are
-    never read. Plain jnp in fp32 (softmax statistics), whatever the cache's dtype: a decode step
+    never read; with a sliding `window` only slots p - window < s <= p. Plain jnp in fp32 (softmax statistics), whatever the cache's dtype: a decode step
     is a handful of queries against the cache, memory-bound, where a fused kernel gains little.
     """
     B, L, N, H = q_BLNH.shape
@@ -146,6 +150,8 @@ def attend_cached(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, posit
     q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H).astype(jnp.float32)  # query head n reads kv head n // (N/K)
     scores = jnp.einsum("blkgh,bskh->bkgls", q_BLKGH, k_BSKH.astype(jnp.float32)) / math.sqrt(H)
     visible_BLS = jnp.arange(S)[None, None, :] <= positions_BL[:, :, None]
+    if window is not None:
+        visible_BLS &= jnp.arange(S)[None, None, :] > positions_BL[:, :, None] - window
     scores = jnp.where(visible_BLS[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     o_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs, v_BSKH.astype(jnp.float32))

@@ -12,6 +12,7 @@ stacked parameters (used to test that both agree).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -38,14 +39,18 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
-        self.eps = eps
+    """x / rms(x) * scale; `plus_one` (model.norm_plus_one, Gemma): * (1 + scale), scale starting at 0."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+        init = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(init((dim,), jnp.float32), out_sharding=("norm",))
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         x32 = x_BLD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x_BLD.dtype)
+        scale = 1.0 + self.scale[...] if self.plus_one else self.scale[...]
+        return (y * scale).astype(x_BLD.dtype)
 
 
 def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
@@ -57,7 +62,13 @@ def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
     stretched by `factor`, those shorter than original_max_len / high_freq_factor are kept, and
     the band between is interpolated (as transformers' `_compute_llama3_parameters`).
     """
-    H = x_BLnH.shape[-1]
+    return rotate(x_BLnH, positions_BL, inv_frequencies(x_BLnH.shape[-1], theta, llama3))
+
+
+def inv_frequencies(H: int, theta: float, llama3: tuple[float, float, float, int] | None = None,
+                    linear: float = 1.0) -> jax.Array:
+    """The rotary frequencies [H/2] of `rotary`; `linear` (rope_scaling=linear) divides them by the
+    factor, as transformers' `_compute_linear_scaling_rope_parameters` (positions / factor)."""
     # 1 / theta^(i/H), spelled as transformers does: bit-identical frequencies (theta^(-i/H) is
     # off by an ulp, which at position 1e5 is 1e-2 rad).
     inv_freq = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
@@ -66,6 +77,11 @@ def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
         wavelen = 2 * jnp.pi / inv_freq
         smooth = jnp.clip((original_len / wavelen - low) / (high - low), 0.0, 1.0)  # 0 above the band, 1 below
         inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq / linear if linear != 1.0 else inv_freq
+
+
+def rotate(x_BLnH: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x with channel pairs (i, i + H/2) rotated by positions * inv_freq [H/2]."""
     angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
     sin, cos = jnp.sin(angle_BLh)[:, :, None, :], jnp.cos(angle_BLh)[:, :, None, :]
     x1, x2 = jnp.split(x_BLnH.astype(jnp.float32), 2, axis=-1)
@@ -77,6 +93,12 @@ class Attention(nnx.Module):
 
     `model.qk_norm` (Qwen3): q and k are RMS-normalised over each head's H channels right after
     their projections, before rotary (q_norm(q_proj(x)), then rope), with one [H] scale each.
+
+    Sliding windows (model.sliding_window): a local layer attends within the window with its own
+    rotary base (rope_local_theta), a global one causally with rope_theta and rope_scaling. `local`
+    is a Python bool (the same in every layer, or a decode step's unrolled layer), or a traced bool
+    (the scanned stack with local and global layers: the kernel runs under `lax.cond`, one branch
+    each, so only the chosen attention is computed).
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -89,9 +111,16 @@ class Attention(nnx.Module):
         self.theta, self.implementation = cfg.rope_theta, cfg.attention
         self.llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                         cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
+        self.linear = cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0
+        self.window = cfg.sliding_window or None
+        self.local_theta = cfg.rope_local_theta or cfg.rope_theta
+        self.all_local = cfg.sliding_window > 0 and cfg.sliding_window_pattern == 0
+        # scores q.k / sqrt(H) in the kernels; q * sqrt(H / s) makes them q.k / sqrt(s)
+        s = cfg.query_pre_attn_scalar
+        self.q_scale = (H / s) ** 0.5 if s and s != H else None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, cfg.norm_eps)
-            self.k_norm = RMSNorm(H, cfg.norm_eps)
+            self.q_norm = RMSNorm(H, cfg.norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(H, cfg.norm_eps, cfg.norm_plus_one)
 
     def _qk_norm(self, q_BLNH, k_BLKH):
         """q and k per-head RMS-normalised (model.qk_norm), else as they are."""
@@ -99,86 +128,120 @@ class Attention(nnx.Module):
             return q_BLNH, k_BLKH
         return self.q_norm(q_BLNH), self.k_norm(k_BLKH)
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning):
+    def _rope(self, q_BLNH, k_BLKH, positions_BL, local):
+        """q and k rotated with the layer's frequencies (local or global), q scaled for
+        model.query_pre_attn_scalar."""
+        H = q_BLNH.shape[-1]
+        inv_freq = inv_frequencies(H, self.theta, self.llama3, self.linear)
+        if self.window is not None and local is not False:
+            local_freq = inv_frequencies(H, self.local_theta)
+            inv_freq = local_freq if local is True else jnp.where(local, local_freq, inv_freq)
+        q_BLNH, k_BLKH = rotate(q_BLNH, positions_BL, inv_freq), rotate(k_BLKH, positions_BL, inv_freq)
+        if self.q_scale is not None:
+            q_BLNH = q_BLNH * jnp.asarray(self.q_scale, q_BLNH.dtype)
+        return q_BLNH, k_BLKH
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning, local=None):
+        local = self.all_local if local is None else local
         # Each projection's output carries a checkpoint name (see REMAT_POLICIES).
         q_BLNH = checkpoint_name(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype), "query_proj")
         k_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wk[...], dtype), "key_proj")
         v_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wv[...], dtype), "value_proj")
-        q_BLNH, k_BLKH = self._qk_norm(q_BLNH, k_BLKH)
-        q_BLNH = part.constrain(rotary(q_BLNH, positions_BL, self.theta, self.llama3),
-                                ("batch", "length", "heads", "head_dim"))
-        k_BLKH = part.constrain(rotary(k_BLKH, positions_BL, self.theta, self.llama3),
-                                ("batch", "length", "kv_heads", "head_dim"))
+        q_BLNH, k_BLKH = self._rope(*self._qk_norm(q_BLNH, k_BLKH), positions_BL, local)
+        q_BLNH = part.constrain(q_BLNH, ("batch", "length", "heads", "head_dim"))
+        k_BLKH = part.constrain(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
         v_BLKH = part.constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
-        o_BLNH = attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, self.implementation, part)
+
+        def run(window, q, k, v, seg):
+            return attend(q, k, v, seg, self.implementation, part, window=window)
+        if self.window is None or local is False:
+            o_BLNH = run(None, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+        elif local is True:
+            o_BLNH = run(self.window, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+        else:  # this layer's flag, traced: one kernel call per branch, only the chosen one runs
+            o_BLNH = jax.lax.cond(local, functools.partial(run, self.window), functools.partial(run, None),
+                                  q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
         return checkpoint_name(project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), "out_proj")
 
-    def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning) -> tuple[jax.Array, dict]:
+    def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning,
+               local: bool | None = None) -> tuple[jax.Array, dict]:
         """New tokens (contiguous positions per row) attend over the KV cache they are written into.
 
-        `cache` = {"k", "v"}: [B, S, K, H], slot s = position s. -> (out_BLD, the updated cache)."""
+        `cache` = {"k", "v"}: [B, S, K, H], slot s = position s; a local layer (`local`, a Python
+        bool here) reads only the slots inside its window. -> (out_BLD, the updated cache)."""
+        local = self.all_local if local is None else local
         q_BLNH, k_BLKH = self._qk_norm(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype),
                                        project("bld,dkh->blkh", x_BLD, self.wk[...], dtype))
-        q_BLNH = rotary(q_BLNH, positions_BL, self.theta, self.llama3)
-        k_BLKH = rotary(k_BLKH, positions_BL, self.theta, self.llama3)
+        q_BLNH, k_BLKH = self._rope(q_BLNH, k_BLKH, positions_BL, local)
         v_BLKH = project("bld,dkh->blkh", x_BLD, self.wv[...], dtype)
         names = ("batch", None, "kv_heads", "head_dim")
         cache = {name: part.constrain(write_cache(cache[name], new, positions_BL[:, 0]), names)
                  for name, new in (("k", k_BLKH), ("v", v_BLKH))}
         q_BLNH = part.constrain(q_BLNH, ("batch", "length", "heads", "head_dim"))
-        o_BLNH = attend_cached(q_BLNH, cache["k"], cache["v"], positions_BL)
+        o_BLNH = attend_cached(q_BLNH, cache["k"], cache["v"], positions_BL, window=self.window if local else None)
         return project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with model.mlp_activation=gelu_tanh (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.mlp_dim
         self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x_BLD, dtype, part: Partitioning):
         gate_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.w_gate[...], dtype), "mlpwi_0")
         up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.w_up[...], dtype), "mlpwi_1")
-        h_BLF = part.constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
+        act = jax.nn.silu if self.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+        h_BLF = part.constrain(act(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
         return checkpoint_name(project("blf,fd->bld", h_BLF, self.w_down[...], dtype), "mlpwo")
 
 
 class Block(nnx.Module):
-    """Attention and an MLP: dense, or (`moe`) routed experts (jaxtrain/model/moe.py)."""
+    """Attention and an MLP: dense, or (`moe`) routed experts (jaxtrain/model/moe.py). With
+    model.post_norms (Gemma) each one's output is RMS-normalised again before the residual add."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
+        self.attn_norm = norm()
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = norm()
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+        if cfg.post_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         self.moe = moe
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning, bias_E=None):
-        """x_BLD -> x_BLD; an MoE block returns (x_BLD, routing statistics)."""
+    def _post(self, name: str, y_BLD):
+        return getattr(self, name)(y_BLD) if hasattr(self, name) else y_BLD
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning, bias_E=None, local=None):
+        """x_BLD -> x_BLD; an MoE block returns (x_BLD, routing statistics). `local`: Attention's."""
         # The residual stream is laid out by `act_length` (= `length` by default; with mesh.rules
         # act_length: [context, tensor] Megatron's sequence parallelism: norms and residual adds run on
         # 1/tensor of the tokens, an all-gather before each block's projections and a reduce-scatter
         # after them replacing the all-reduce).
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype, part)
+        a_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, dtype, part, local)
+        x_BLD = x_BLD + self._post("post_attn_norm", a_BLD)
         x_BLD = part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
         if not self.moe:
-            x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dtype, part)
+            x_BLD = x_BLD + self._post("post_mlp_norm", self.mlp(self.mlp_norm(x_BLD), dtype, part))
             return part.constrain(x_BLD, ("batch", "act_length", "act_embed"))
         y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), dtype, part, bias_E)
-        return part.constrain(x_BLD + y_BLD, ("batch", "act_length", "act_embed")), stats
+        return part.constrain(x_BLD + self._post("post_mlp_norm", y_BLD), ("batch", "act_length", "act_embed")), stats
 
-    def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning, bias_E=None) -> tuple[jax.Array, dict]:
+    def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning, bias_E=None,
+               local: bool | None = None) -> tuple[jax.Array, dict]:
         """`__call__` for new tokens over this layer's KV cache -> (x_BLD, the updated cache)."""
-        a_BLD, cache = self.attn.decode(self.attn_norm(x_BLD), positions_BL, cache, dtype, part)
-        x_BLD = x_BLD + a_BLD
+        a_BLD, cache = self.attn.decode(self.attn_norm(x_BLD), positions_BL, cache, dtype, part, local)
+        x_BLD = x_BLD + self._post("post_attn_norm", a_BLD)
         if self.moe:
             y_BLD, _ = self.mlp(self.mlp_norm(x_BLD), dtype, part, bias_E)
         else:
             y_BLD = self.mlp(self.mlp_norm(x_BLD), dtype, part)
-        return x_BLD + y_BLD, cache
+        return x_BLD + self._post("post_mlp_norm", y_BLD), cache
 
 
 # What the backward pass keeps of a layer's forward pass, by `model.remat` (MaxText's names). The
@@ -241,7 +304,7 @@ class Transformer(nnx.Module):
         if moe and cfg.moe_every > 1:
             self.interleaved_dense_blocks = make_blocks(cfg.num_moe_layers * (cfg.moe_every - 1), False)
         self.blocks = make_blocks(cfg.num_moe_layers if moe else cfg.num_layers, moe)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
 
@@ -272,7 +335,7 @@ class Transformer(nnx.Module):
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-        x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "act_length", "act_embed"))
+        x_BLD = part.constrain(self._embed(tokens_BL, part), ("batch", "act_length", "act_embed"))
 
         # Under a pipeline that rematerialises its iterations, model.remat's policy applies to each
         # iteration (MaxText's default), not to each layer too: nested checkpoints would run every
@@ -292,24 +355,29 @@ class Transformer(nnx.Module):
             return x_BLD, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
 
         def runner(graphdef):
-            def stack(x_BLD, positions_BL, segment_ids_BL, layers, part, biases=None):
+            def stack(x_BLD, positions_BL, segment_ids_BL, layers, part, biases=None, local=None):
                 """Run `layers` (stacked on a leading axis) in order: all of them, or one pipeline stage's.
-                With `biases` (MoE layers) -> (x, stacked statistics); else x."""
+                With `biases` (MoE layers) -> (x, stacked statistics); else x. `local`: a bool per
+                layer (local and global layers mixed), else None (Attention decides statically)."""
                 def layer(x_BLD, xs):
-                    one_layer, bias = xs
-                    out = nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype, part, bias)
+                    one_layer, bias, is_local = xs
+                    out = nnx.merge(graphdef, one_layer)(x_BLD, positions_BL, segment_ids_BL, dtype, part, bias,
+                                                         is_local)
                     return out if biases is not None else (out, None)
 
                 if per_layer_remat:
                     layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers)
-                x_BLD, stats = in_order(layer, x_BLD, (layers, biases))
+                x_BLD, stats = in_order(layer, x_BLD, (layers, biases, local))
                 return x_BLD if biases is None else (x_BLD, stats)
             return stack
 
         graphdef, layers = nnx.split(self.blocks)
         if cfg.num_experts == 0:
             if part.schedule is None:
-                x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part)
+                # Local and global layers mixed (refused under a pipeline): each layer's flag is scanned.
+                local = (jnp.array([cfg.layer_is_local(i) for i in range(cfg.num_layers)])
+                         if cfg.mixed_windows else None)
+                x_BLD = runner(graphdef)(x_BLD, positions_BL, segment_ids_BL, layers, part, None, local)
             else:  # mesh.stage > 1: the layers run as pipeline stages
                 x_BLD = pipeline.run(runner(graphdef), nnx.to_pure_dict(layers), logical_axes(layers), x_BLD,
                                      positions_BL, segment_ids_BL, part, remat_policy=remat_policy(cfg.remat))
@@ -355,6 +423,14 @@ class Transformer(nnx.Module):
         return self.final_norm(x_BLD), finish_stats(stats)
 
 
+    def _embed(self, tokens_BL, part: Partitioning) -> jax.Array:
+        """The tokens' embeddings in the compute dtype; * sqrt(d_model) with model.embed_scale (the
+        factor in the compute dtype, as Gemma's transformers code casts it to the embedding's)."""
+        x_BLD = embed_lookup(self.embed[...], tokens_BL, self.dtype, part)
+        if self.cfg.embed_scale:
+            x_BLD = x_BLD * jnp.asarray(self.cfg.d_model ** 0.5, self.dtype)
+        return x_BLD
+
     # ------------------------------------------------------------------------- decoding
 
     def cache_stacks(self) -> dict[str, int]:
@@ -399,13 +475,16 @@ class Transformer(nnx.Module):
         """
         cfg, dtype = self.cfg, self.dtype
         layers = self.layer_params() if layers is None else layers
-        x_BLD = part.constrain(embed_lookup(self.embed[...], tokens_BL, dtype, part), ("batch", "length", "act_embed"))
+        x_BLD = part.constrain(self._embed(tokens_BL, part), ("batch", "length", "act_embed"))
         cache = {name: list(c) for name, c in cache.items()}
         graphdefs = {name: nnx.split(getattr(self, name))[0] for name in cache}
 
         def run(name: str, i: int, x_BLD, bias_E=None):
             block = nnx.merge(graphdefs[name], layers[name][i])
-            x_BLD, cache[name][i] = block.decode(x_BLD, positions_BL, cache[name][i], dtype, part, bias_E)
+            # Dense stacks: i is the layer's index, which says whether it is local (mixed windows
+            # are dense only); MoE stacks: None, the same window in every layer.
+            local = cfg.layer_is_local(i) if cfg.mixed_windows else None
+            x_BLD, cache[name][i] = block.decode(x_BLD, positions_BL, cache[name][i], dtype, part, bias_E, local)
             return x_BLD
 
         for i in range(len(cache.get("dense_blocks", []))):

@@ -394,7 +394,7 @@ def _with_config(plain: Path, tmp_path: Path, **changes) -> Path:
     ({"mlp_bias": True}, "mlp_bias"),
     ({"attention_dropout": 0.1}, "attention_dropout"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope_parameters.rope_type"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
     ({"hidden_size": None}, "hidden_size"),

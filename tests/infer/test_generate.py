@@ -27,6 +27,7 @@ from jaxtrain.config import ConfigError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
 from test_hf import LLAMA3, jax_params, make_hf  # noqa: E402
 from test_mixtral import make_mixtral  # noqa: E402
+from test_gemma3 import VARIANTS as GEMMA3, make_gemma3  # noqa: E402
 from test_qwen3 import make_qwen3  # noqa: E402
 
 # Prompts of different lengths in one batch (one past a prompt bucket of 16, one of a single token).
@@ -53,7 +54,7 @@ def imported(src: Path, tmp_path: Path) -> Generator:
 
 
 @pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "head-dim-16", "mixtral", "qwen3",
-                                     "qwen3-moe"])
+                                     "qwen3-moe", "gemma3"])
 def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
     src = tmp_path / "src"
     if variant == "mixtral":
@@ -62,6 +63,8 @@ def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
         make_qwen3(src, tied=True)
     elif variant == "qwen3-moe":  # and routing without renormalising, dense layers between the MoE ones
         make_qwen3(src, {"norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 4})
+    elif variant == "gemma3":  # local layers' windows over the cache (prompts and continuations past them)
+        make_gemma3(src, GEMMA3["untied-pattern3-linear"][0])
     else:
         make_hf(src, tied=variant == "tied", rope=LLAMA3 if variant == "llama3-rope" else None,
                 head_dim=16 if variant == "head-dim-16" else None)

@@ -41,6 +41,25 @@ def test_scanned_layers_equal_unrolled_layers():
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_s, grads_u)
 
 
+def test_local_and_global_layers_scanned_unrolled_and_rematerialised_agree():
+    """Gemma 3's stack (layers 0 and 1 local with a window of 4, layer 2 global; a lax.cond per scanned
+    layer): the scan, the unrolled layers (a Python bool per layer) and remat=full give the same loss
+    and gradients, and the window is not ignored (one as long as the rows gives another loss)."""
+    gemma = ["model.sliding_window=4", "model.sliding_window_pattern=3", "model.post_norms=true",
+             "model.norm_plus_one=true", "model.embed_scale=true", "model.mlp_activation=gelu_tanh",
+             "model.qk_norm=true", "model.rope_local_theta=500"]
+    cfg = load_config(None, [*SMALL, *gemma])
+    graphdef, params, batch = params_and_batch(cfg)
+    f = lambda c: jax.jit(jax.value_and_grad(lambda p: loss_sum(p, nnx.split(Transformer(
+        c.model, rngs=nnx.Rngs(0)))[0], batch)[0]))(params)
+    loss, grads = f(cfg)
+    for other in ("model.scan_layers=false", "model.remat=full"):
+        loss_o, grads_o = f(cfg.with_overrides(other))
+        np.testing.assert_allclose(loss_o, loss, rtol=1e-6)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_o, grads)
+    assert abs(float(f(cfg.with_overrides("model.sliding_window=16"))[0]) - float(loss)) > 1e-4
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_policies_do_not_change_gradients(remat):
     cfg = load_config(None, SMALL)
@@ -98,8 +117,8 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml
 def test_initial_loss_is_near_ln_vocab_for_every_shipped_config(path):
     """The output projection starts small (logits std model.LOGIT_STD): the first loss is ~ln(vocab),
     not the ln(vocab) + 45**2/2 a unit-variance tied table used to give. Depth, MLP and vocabulary
-    are shrunk to fit the test (the initial logits' scale depends on d_model only); d_model, heads
-    and tying are the config's own."""
+    are shrunk to fit the test (the initial logits' scale depends on d_model only); d_model, heads,
+    tying and a window pattern are the config's own."""
     import math
 
     from jaxtrain.model.llama import LOGIT_STD
@@ -107,7 +126,9 @@ def test_initial_loss_is_near_ln_vocab_for_every_shipped_config(path):
     vocab = min(cfg.model.vocab_size, 4096)
     # A mixture of experts: its one layer MoE, with narrow experts.
     moe = ["model.first_dense_layers=0", f"model.moe_mlp_dim={min(cfg.model.moe_mlp_dim, 128)}"] if cfg.model.num_experts else []
-    cfg = cfg.with_overrides(*moe, "model.num_layers=1", f"model.vocab_size={vocab}", f"model.mlp_dim={min(cfg.model.mlp_dim, 512)}",
+    # Local and global layers (Gemma 3): one whole pattern, its local layers and the global one.
+    layers = cfg.model.sliding_window_pattern if cfg.model.mixed_windows else 1
+    cfg = cfg.with_overrides(*moe, f"model.num_layers={layers}", f"model.vocab_size={vocab}", f"model.mlp_dim={min(cfg.model.mlp_dim, 512)}",
                              "data.source=markov", "data.path=null", f"data.markov_states={min(64, vocab)}",
                              "data.seq_len=128", "data.global_batch_size=4", "model.attention=xla",
                              "precision.policy=fp32", "train.grad_accum=1")

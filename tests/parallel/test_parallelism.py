@@ -21,6 +21,12 @@ BASE = [
 ]
 GQA = ["model.num_kv_heads=4"]
 QK_NORM = ["model.qk_norm=true"]  # Qwen3's per-head q/k RMSNorm: its [head_dim] scales replicated
+# Gemma 3's layer: (1 + w) norms (four per layer and q/k), scaled embeddings, GeGLU, q scaled by
+# query_pre_attn_scalar, local layers (window 4 of 16) with their own rope and a global one with linear rope.
+GEMMA3 = ["model.num_layers=3", "model.sliding_window=4", "model.sliding_window_pattern=3", "model.post_norms=true",
+          "model.norm_plus_one=true", "model.embed_scale=true", "model.mlp_activation=gelu_tanh",
+          "model.query_pre_attn_scalar=12", "model.rope_local_theta=500", "model.rope_scaling=linear",
+          "model.rope_scaling_factor=2", *QK_NORM]
 
 LAYOUTS = {
     "data8": ["mesh.data=8"],
@@ -29,6 +35,8 @@ LAYOUTS = {
     "data2_fsdp2_tensor2_gqa": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *GQA],
     "data2_tensor4_gqa_qknorm": ["mesh.data=2", "mesh.tensor=4", *GQA, *QK_NORM],
     "fsdp8_qknorm": ["mesh.data=1", "mesh.fsdp=8", *QK_NORM],
+    "data2_tensor4_gqa_gemma3": ["mesh.data=2", "mesh.tensor=4", *GQA, *GEMMA3],
+    "fsdp8_gemma3": ["mesh.data=1", "mesh.fsdp=8", *GEMMA3],
 }
 
 
