@@ -1,5 +1,5 @@
 """SIGKILL and the same command resume bitwise for the model families' small configs (docs/models.md's
-resume column): QK-norm (Qwen3) and its MoE routing (Qwen3-MoE), through `jaxtrain train`."""
+resume column): QK-norm (Qwen3), its MoE routing (Qwen3-MoE) and local/global windowed layers (Gemma 3), through `jaxtrain train`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
 def test_a_killed_family_run_resumes_bitwise(name, tmp_path):
     config = REPO / "configs" / f"{name}.yaml"
     whole = tmp_path / "whole"
