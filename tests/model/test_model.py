@@ -56,7 +56,8 @@ def test_local_and_global_layers_scanned_unrolled_and_rematerialised_agree():
     for other in ("model.scan_layers=false", "model.remat=full"):
         loss_o, grads_o = f(cfg.with_overrides(other))
         np.testing.assert_allclose(loss_o, loss, rtol=1e-6)
-        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_o, grads)
+        # atol 2e-6: jax 0.10 sums the unrolled layers' gradients in another order (|diff| < 1e-6 seen on leaves ~1)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6), grads_o, grads)
     assert abs(float(f(cfg.with_overrides("model.sliding_window=16"))[0]) - float(loss)) > 1e-4
 
 
