@@ -15,13 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from jaxtrain.commands import cli
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.hf.mapping import hf_config_from_model
-from test_qwen3 import hf_logits, jax_model, packed
+from test_qwen3 import assert_transformers_logits_and_bitwise_round_trip, hf_logits, jax_model
 
 VOCAB = 80
 TOKENS = np.random.default_rng(5).integers(0, VOCAB, (2, 16))
@@ -79,35 +78,11 @@ def test_gemma3_import_equals_transformers_plain_and_packed_and_round_trips_bitw
     assert m.tie_embeddings is extra["tie_word_embeddings"]
     assert [m.layer_is_local(i) for i in range(7)] == [(i + 1) % pattern != 0 for i in range(7)]
 
-    expected = hf_logits(src, TOKENS)
-    model = jax_model(out)
-    got = np.asarray(model(jnp.asarray(TOKENS, jnp.int32)))
-    assert np.abs(expected).max() > 1.0
-    assert np.abs(got - expected).max() <= 1e-4, np.abs(got - expected).max()
-
-    # Packed rows: each document's logits are transformers' on that document alone (the window
-    # and the rotary positions restart with it).
-    seg, pos = packed(DOCS)
-    got = np.asarray(model(jnp.asarray(TOKENS, jnp.int32), jnp.asarray(pos), jnp.asarray(seg)))
-    for row, lengths in enumerate(DOCS):
-        start = 0
-        for n in lengths:
-            alone = hf_logits(src, TOKENS[row:row + 1, start:start + n])[0]
-            assert np.abs(got[row, start:start + n] - alone).max() <= 1e-4, (row, start)
-            start += n
-    assert np.abs(got - expected).max() > 1e-2
-
-    assert cli.main(["export-hf", str(out), "--output", str(exported)]) == 0
-    source, back = load_file(src / "model.safetensors"), load_file(exported / "model.safetensors")
-    assert sorted(source) == sorted(back)
-    for name in source:
-        assert back[name].tobytes() == source[name].tobytes(), name
-    a, b = json.loads((src / "config.json").read_text()), json.loads((exported / "config.json").read_text())
-    for key in ("architectures", "model_type", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
-                "layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation", "bos_token_id",
-                "eos_token_id", "pad_token_id"):
-        assert a[key] == b[key], key
-    np.testing.assert_array_equal(hf_logits(exported, TOKENS), expected)
+    # Packed rows: the window and the rotary positions restart with each document.
+    assert_transformers_logits_and_bitwise_round_trip(src, out, exported, TOKENS, DOCS, (
+        "architectures", "model_type", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+        "layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation", "bos_token_id", "eos_token_id",
+        "pad_token_id"))
 
 
 def test_the_window_and_the_local_rope_are_read_not_ignored(tmp_path):

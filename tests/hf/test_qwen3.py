@@ -79,6 +79,38 @@ def packed(docs_per_row: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return seg, pos
 
 
+def assert_transformers_logits_and_bitwise_round_trip(src: Path, out: Path, exported: Path, tokens: np.ndarray,
+                                                      docs: list[list[int]], config_keys: tuple[str, ...]) -> None:
+    """The imported run `out` of the transformers model `src`: its forward pass equals transformers' logits
+    (fp32, 1e-4) on plain rows and on packed rows (each document against transformers on it alone); export-hf
+    to `exported` gives the same tensors bit for bit, keeps `config_keys`, and transformers loads it into the
+    same logits."""
+    expected = hf_logits(src, tokens)
+    model = jax_model(out)
+    got = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
+    assert np.abs(expected).max() > 1.0  # logits large enough that a layout error could not hide
+    assert np.abs(got - expected).max() <= 1e-4, np.abs(got - expected).max()
+    # Packed rows (segment ids, positions restarting): each document's logits are transformers' on it alone.
+    seg, pos = packed(docs)
+    got = np.asarray(model(jnp.asarray(tokens, jnp.int32), jnp.asarray(pos), jnp.asarray(seg)))
+    for row, lengths in enumerate(docs):
+        start = 0
+        for n in lengths:
+            alone = hf_logits(src, tokens[row:row + 1, start:start + n])[0]
+            assert np.abs(got[row, start:start + n] - alone).max() <= 1e-4, (row, start)
+            start += n
+    assert np.abs(got - expected).max() > 1e-2  # the packing matters: not the plain rows' logits
+    assert cli.main(["export-hf", str(out), "--output", str(exported)]) == 0
+    source, back = load_file(src / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert sorted(source) == sorted(back)
+    for name in source:
+        assert back[name].tobytes() == source[name].tobytes(), name
+    a, b = json.loads((src / "config.json").read_text()), json.loads((exported / "config.json").read_text())
+    for key in config_keys:
+        assert a[key] == b[key], key
+    np.testing.assert_array_equal(hf_logits(exported, tokens), expected)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_qwen3_import_equals_transformers_plain_and_packed_and_round_trips_bitwise(variant, tmp_path):
     moe, tied = VARIANTS[variant]
@@ -94,37 +126,9 @@ def test_qwen3_import_equals_transformers_plain_and_packed_and_round_trips_bitwi
         assert (m.num_experts, m.experts_per_token, m.moe_mlp_dim, m.mlp_dim) == (4, 2, 24, 48)
         assert m.moe_norm_topk_prob is moe["norm_topk_prob"] and m.moe_aux_loss == 0.02
 
-    # Plain rows: the whole forward pass.
-    expected = hf_logits(src)
-    model = jax_model(out)
-    got = np.asarray(model(jnp.asarray(TOKENS, jnp.int32)))
-    assert np.abs(expected).max() > 1.0  # logits large enough that a layout error could not hide
-    assert np.abs(got - expected).max() <= 1e-4, np.abs(got - expected).max()
-
-    # Packed rows (segment ids, positions restarting): each document's logits are transformers' on
-    # that document alone.
-    seg, pos = packed(DOCS)
-    got = np.asarray(model(jnp.asarray(TOKENS, jnp.int32), jnp.asarray(pos), jnp.asarray(seg)))
-    for row, lengths in enumerate(DOCS):
-        start = 0
-        for n in lengths:
-            alone = hf_logits(src, TOKENS[row:row + 1, start:start + n])[0]
-            assert np.abs(got[row, start:start + n] - alone).max() <= 1e-4, (row, start)
-            start += n
-    assert np.abs(got - expected).max() > 1e-2  # the packing matters: not the plain rows' logits
-
-    # Import -> export: the same tensors bit for bit; transformers loads them into the same logits.
-    assert cli.main(["export-hf", str(out), "--output", str(exported)]) == 0
-    source, back = load_file(src / "model.safetensors"), load_file(exported / "model.safetensors")
-    assert sorted(source) == sorted(back)
-    for name in source:
-        assert back[name].tobytes() == source[name].tobytes(), name
-    a, b = json.loads((src / "config.json").read_text()), json.loads((exported / "config.json").read_text())
-    for key in ("architectures", "model_type", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
-                *(("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
-                  if moe else ())):
-        assert a[key] == b[key], key
-    np.testing.assert_array_equal(hf_logits(exported), expected)
+    keys = ("architectures", "model_type", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+            *(("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef") if moe else ()))
+    assert_transformers_logits_and_bitwise_round_trip(src, out, exported, TOKENS, DOCS, keys)
 
 
 def test_norm_topk_prob_changes_the_logits(tmp_path):
