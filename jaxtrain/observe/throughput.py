@@ -45,12 +45,15 @@ def flops_per_step(cfg: Config) -> float:
     """Model FLOPs of one optimizer step over the global batch (forward + backward = 3x forward).
 
     Matmuls: 6 * params * tokens (PaLM appendix B). Attention: the causal QK^T and PV matmuls,
-    counted as half the full score matrix, the same accounting the kernels use.
+    counted as half the full score matrix, the same accounting the kernels use; a local layer
+    (model.sliding_window) counts only its window's band, as the kernels skip the rest.
     """
     m, d = cfg.model, cfg.data
     tokens = d.global_batch_size * d.seq_len
-    attn = attention_flops(d.global_batch_size, d.seq_len, m.num_heads, m.head_dim, causal=True)
-    return 6.0 * matmul_params(m) * tokens + 3.0 * m.num_layers * attn
+    attn = sum(attention_flops(d.global_batch_size, d.seq_len, m.num_heads, m.head_dim, causal=True,
+                               window=m.sliding_window if m.layer_is_local(i) else None)
+               for i in range(m.num_layers))
+    return 6.0 * matmul_params(m) * tokens + 3.0 * attn
 
 
 def measure_matmul_peak(dtype: Any = jnp.float32, n: int = 1024, repeats: int = 5) -> float:

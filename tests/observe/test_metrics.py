@@ -43,6 +43,10 @@ def test_flops_per_step_matches_hand_count():
     matmul = 2 * per_layer + 8 * 100  # layers + output head
     attention_fwd = 4 * 3 * 10 * 10 * 2 * 4 / 2  # QK^T and PV, causal half
     assert flops_per_step(cfg) == 6 * matmul * 30 + 3 * 2 * attention_fwd
+    # Gemma-style windows: layer 0 local (window 4: the band 10 * 4 - 4 * 4 / 2 of the scores), layer 1 global.
+    windowed = cfg.with_overrides("model.sliding_window=4", "model.sliding_window_pattern=2")
+    local_fwd = 4 * 3 * 2 * 4 * (10 * 4 - 4 * 4 / 2)
+    assert flops_per_step(windowed) == 6 * matmul * 30 + 3 * (local_fwd + attention_fwd)
 
 
 HLO = """
