@@ -20,7 +20,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from jaxtrain.commands import cli
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.hf.mapping import hf_config_from_model
-from test_qwen3 import assert_transformers_logits_and_bitwise_round_trip, hf_logits, jax_model
+from test_qwen3 import assert_import_refused, assert_transformers_logits_and_bitwise_round_trip, hf_logits, jax_model
 
 VOCAB = 80
 TOKENS = np.random.default_rng(5).integers(0, VOCAB, (2, 16))
@@ -126,16 +126,7 @@ def source(tmp_path_factory) -> Path:
                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_parameters.rope_type"),
 ])
 def test_what_gemma3_cannot_represent_is_refused_by_name(changes, field, source, tmp_path, capsys):
-    src = tmp_path / "src"
-    shutil.copytree(source, src)
-    hf = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**hf, **changes}))
-    out = tmp_path / "out"
-    capsys.readouterr()
-    assert cli.main(["import-hf", str(src), "--output", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"'{field}" in err, err
-    assert not out.exists()
+    assert_import_refused(source, changes, f"'{field}", tmp_path, capsys)
 
 
 def test_window_keys_are_checked_against_the_mesh_and_the_family():

@@ -192,15 +192,21 @@ def sources(tmp_path_factory) -> dict:
     ("moe", {"num_experts_per_tok": 1}, "norm_topk_prob"),  # a single gate renormalised to 1
 ])
 def test_what_qwen3_cannot_represent_is_refused_by_name(kind, changes, field, sources, tmp_path, capsys):
+    assert_import_refused(sources[kind], changes, f"'{field}'", tmp_path, capsys)
+
+
+def assert_import_refused(source: Path, changes: dict, named: str, tmp_path: Path, capsys) -> None:
+    """import-hf of `source` with its config.json changed by `changes`: exit 2, one stderr line naming `named`,
+    nothing written."""
     src = tmp_path / "src"
-    shutil.copytree(sources[kind], src)
+    shutil.copytree(source, src)
     hf = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**hf, **changes}))
     out = tmp_path / "out"
     capsys.readouterr()
     assert cli.main(["import-hf", str(src), "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"'{field}'" in err, err
+    assert len(err.splitlines()) == 1 and named in err, err
     assert not out.exists()
 
 
