@@ -296,11 +296,19 @@ class ModelConfig:
     # (the formula of Meta's reference code and transformers' `_compute_llama3_parameters`).
     # "linear" (Gemma 3's global layers) divides every position by rope_scaling_factor. With a
     # sliding window the scaling applies to the global layers only.
-    rope_scaling: Literal["none", "llama3", "linear"] = "none"
+    # "yarn" (DeepSeek-V3, gpt-oss, Qwen3 long context): YaRN's frequency interpolation between
+    # rope_yarn_beta_slow and _beta_fast rotations, and its attention factor (transformers'
+    # `_compute_yarn_parameters`), with rope_scaling_factor and rope_original_max_len.
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = "none"
     rope_scaling_factor: float = 8.0  # llama3: long wavelengths are stretched by this factor; linear: positions / this
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are fully scaled
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept as they are
-    rope_original_max_len: int = 8192  # llama3: context length the model was pretrained with
+    rope_original_max_len: int = 8192  # llama3, yarn: context length the model was pretrained with
+    rope_yarn_beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept as it is
+    rope_yarn_beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated
+    rope_yarn_mscale: float = 0.0  # yarn: DeepSeek's mscale (0 = unset: attention factor 0.1 ln(factor) + 1)
+    rope_yarn_mscale_all_dim: float = 0.0  # yarn: DeepSeek's mscale_all_dim (0 = unset)
+    rope_yarn_truncate: bool = True  # yarn: round the correction range to whole dims (gpt-oss: false)
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
     # Qwen3's QK-norm: an RMSNorm over each head's channels (a [head_dim] scale shared by the heads) on
     # the projected queries and keys, before rotary.
@@ -313,7 +321,8 @@ class ModelConfig:
     # Extra RMSNorms on the attention's and the MLP's outputs, before each residual add.
     post_norms: bool = False
     # The gated MLP's gate activation: silu (SwiGLU) or gelu with the tanh approximation (GeGLU).
-    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    # clamped_swiglu: gpt-oss's (swiglu_limit, swiglu_alpha below).
+    mlp_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
     # Attention scores are q.k / sqrt(this) (Gemma's query_pre_attn_scalar); 0 = head_dim.
     query_pre_attn_scalar: int = 0
     # Sliding-window attention (docs/kernels.md): > 0 = a local layer's query sees itself and the
@@ -322,6 +331,31 @@ class ModelConfig:
     # With a window: layer i is global (full causal) iff (i + 1) % this == 0 (Gemma 3: 6); 0 = every layer local.
     sliding_window_pattern: int = 0
     rope_local_theta: float = 0.0  # rotary base of the local layers (Gemma 3: 10000); 0 = rope_theta
+    # Multi-head latent attention (DeepSeek-V2/V3; docs/models.md). kv_lora_rank > 0 replaces the q/k/v
+    # projections: keys and values come from one kv_lora_rank latent (normalised) per token, each head's
+    # key qk_nope_head_dim channels from it plus one qk_rope_head_dim rotary key shared by the heads, its
+    # value v_head_dim channels; queries through a q_lora_rank latent (normalised; 0 = one full-rank
+    # projection). model.head_dim must equal qk_nope_head_dim + qk_rope_head_dim, num_kv_heads num_heads.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+    # gpt-oss: a learned logit per head in every softmax's denominator (attention sinks); biases on the
+    # q/k/v/o projections; biases on the router and the experts (and dense MLPs).
+    attention_sinks: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # mlp_activation=clamped_swiglu (gpt-oss): (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    # g = min(gate, limit).
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    # Multi-token prediction (DeepSeek-V3 section 2.2; docs/models.md): mtp_depth sequential modules after the
+    # decoder, module d predicting token t + 1 + d, sharing the embedding and the head; their mean loss,
+    # times mtp_loss_weight, is added to the training loss and reported apart (metrics.jsonl mtp_loss).
+    # Not exported (transformers' DeepSeek-V3 does not run them). 0 = off.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
     # Activation checkpointing (docs/pipeline.md, "Remat policies"): what the backward pass keeps of each layer
@@ -344,6 +378,12 @@ class ModelConfig:
     # softmax, k > 1: the chosen k probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's
     # norm_topk_prob: true); false: the gates are the softmax probabilities themselves (softmax only).
     moe_norm_topk_prob: bool = True
+    # DeepSeek-V3's group-limited routing: the experts split into moe_n_group groups, a group scored by the
+    # sum of its two best (score + bias); each token chooses among the experts of its moe_topk_group best
+    # groups only. 1 and 1 = no groups.
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' gates times this (DeepSeek-V3: 2.5)
     capacity_factor: float = 0.0  # > 0: capacity-padded dispatch, overflow dropped (counted); <= 0: dropless
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss alpha * E * sum_i f_i P_i, per MoE layer
     router_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)**2), per MoE layer
@@ -392,13 +432,54 @@ class ModelConfig:
         for key in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")
-        if self.mlp_activation != "silu" and self.num_experts > 0:
+        self._validate_families()
+        if self.mlp_activation == "gelu_tanh" and self.num_experts > 0:
             raise ConfigError(f"model.mlp_activation={self.mlp_activation} with model.num_experts={self.num_experts}: "
-                              "the experts are SwiGLU (silu) only; use mlp_activation=silu with MoE")
+                              "the experts are SwiGLU (silu or clamped_swiglu) only")
         if self.mixed_windows and self.num_experts > 0:
             raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} with model.num_experts="
                               f"{self.num_experts}: local and global layers in a mixture of experts are not built yet "
                               "(a window in every layer is: sliding_window_pattern=0)")
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (model.kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    def _validate_families(self) -> None:
+        """The DeepSeek-V3 and gpt-oss keys: MLA, YaRN, clamped SwiGLU, multi-token prediction."""
+        for key in ("kv_lora_rank", "q_lora_rank", "mtp_depth", "rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")
+        if self.mla:
+            for key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                _require(f"model.{key}", getattr(self, key), getattr(self, key) > 0, "must be positive")
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ConfigError(f"model.head_dim={self.head_dim} must equal model.qk_nope_head_dim + "
+                                  f"model.qk_rope_head_dim = {self.qk_nope_head_dim + self.qk_rope_head_dim} with "
+                                  f"multi-head latent attention (model.kv_lora_rank={self.kv_lora_rank})")
+            if self.num_kv_heads != self.num_heads:
+                raise ConfigError(f"model.num_kv_heads={self.num_kv_heads} must equal model.num_heads={self.num_heads} "
+                                  "with multi-head latent attention (every head has its own key and value)")
+            for key in ("qk_norm", "sliding_window", "attention_sinks", "attention_bias"):
+                if getattr(self, key):
+                    raise ConfigError(f"model.{key}={getattr(self, key)} with multi-head latent attention "
+                                      f"(model.kv_lora_rank={self.kv_lora_rank}) is not built (no family uses both)")
+        if self.rope_scaling == "yarn":
+            if not self.rope_scaling_factor >= 1.0:
+                raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be >= 1 (1 = no scaling)")
+            if self.rope_original_max_len <= 0:
+                raise ConfigError(f"model.rope_original_max_len={self.rope_original_max_len} must be positive")
+            if not 0 < self.rope_yarn_beta_slow < self.rope_yarn_beta_fast:
+                raise ConfigError(f"model.rope_yarn_beta_slow={self.rope_yarn_beta_slow} must be positive and smaller "
+                                  f"than model.rope_yarn_beta_fast={self.rope_yarn_beta_fast}")
+        if self.mlp_activation == "clamped_swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise ConfigError(f"model.swiglu_limit={self.swiglu_limit} and model.swiglu_alpha={self.swiglu_alpha} "
+                              "must be positive with model.mlp_activation=clamped_swiglu")
+        if not self.mtp_loss_weight >= 0:
+            raise ConfigError(f"config key 'model.mtp_loss_weight' must be >= 0, got {self.mtp_loss_weight}")
 
     def _validate_moe(self) -> None:
         """The mixture-of-experts keys (model.num_experts > 0; docs/moe.md). mesh.expert without
@@ -423,6 +504,18 @@ class ModelConfig:
         if self.moe_router == "sigmoid" and not self.moe_norm_topk_prob:
             raise ConfigError("model.moe_norm_topk_prob=false is for model.moe_router=softmax; sigmoid routing always "
                               "normalises the chosen scores (set it to true or use softmax)")
+        E, groups, chosen = self.num_experts, self.moe_n_group, self.moe_topk_group
+        if groups < 1 or E % groups or not 1 <= chosen <= groups:
+            raise ConfigError(f"model.moe_n_group={groups} must be >= 1 and divide model.num_experts={E}, and "
+                              f"model.moe_topk_group={chosen} lie in [1, moe_n_group]")
+        if groups > 1 and self.experts_per_token > chosen * (E // groups):
+            raise ConfigError(f"model.experts_per_token={self.experts_per_token} exceeds the {chosen * (E // groups)} "
+                              f"experts of model.moe_topk_group={chosen} groups of {E // groups}")
+        if groups > 1 and E // groups < 2:
+            raise ConfigError(f"model.moe_n_group={groups}: a group is scored by its two best experts, so each group "
+                              f"needs at least 2 of the model.num_experts={E}")
+        if not self.moe_routed_scaling_factor > 0:
+            raise ConfigError(f"model.moe_routed_scaling_factor={self.moe_routed_scaling_factor} must be positive")
         for key in ("moe_aux_loss", "router_z_loss", "router_bias_update_rate"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"config key 'model.{key}' must be >= 0, got {getattr(self, key)}")
