@@ -336,26 +336,26 @@ class ModelConfig:
     # key qk_nope_head_dim channels from it plus one qk_rope_head_dim rotary key shared by the heads, its
     # value v_head_dim channels; queries through a q_lora_rank latent (normalised; 0 = one full-rank
     # projection). model.head_dim must equal qk_nope_head_dim + qk_rope_head_dim, num_kv_heads num_heads.
-    kv_lora_rank: int = 0
-    q_lora_rank: int = 0
-    qk_rope_head_dim: int = 64
-    qk_nope_head_dim: int = 128
-    v_head_dim: int = 128
+    kv_lora_rank: int = 0  # MLA: the key/value latent's width (0 = grouped-query attention)
+    q_lora_rank: int = 0  # MLA: the query latent's width (0 = a full-rank query projection)
+    qk_rope_head_dim: int = 64  # MLA: the rotary channels of each query and of the shared key
+    qk_nope_head_dim: int = 128  # MLA: each head's non-rotary query/key channels
+    v_head_dim: int = 128  # MLA: each head's value channels
     # gpt-oss: a learned logit per head in every softmax's denominator (attention sinks); biases on the
     # q/k/v/o projections; biases on the router and the experts (and dense MLPs).
-    attention_sinks: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
+    attention_bias: bool = False  # biases on the q/k/v/o projections (gpt-oss)
+    mlp_bias: bool = False  # biases on the router, the experts and dense MLPs (gpt-oss)
     # mlp_activation=clamped_swiglu (gpt-oss): (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
     # g = min(gate, limit).
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0  # clamped_swiglu: the clamp
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the gate's sigmoid slope
     # Multi-token prediction (DeepSeek-V3 section 2.2; docs/models.md): mtp_depth sequential modules after the
     # decoder, module d predicting token t + 1 + d, sharing the embedding and the head; their mean loss,
     # times mtp_loss_weight, is added to the training loss and reported apart (metrics.jsonl mtp_loss).
     # Not exported (transformers' DeepSeek-V3 does not run them). 0 = off.
-    mtp_depth: int = 0
-    mtp_loss_weight: float = 0.1
+    mtp_depth: int = 0  # multi-token prediction modules (0 = off)
+    mtp_loss_weight: float = 0.1  # weight of their mean loss in the training loss
     tie_embeddings: bool = False  # share the input embedding with the output head
     scan_layers: bool = True  # stack layers and lax.scan over them (compile time flat in depth)
     # Activation checkpointing (docs/pipeline.md, "Remat policies"): what the backward pass keeps of each layer
@@ -381,8 +381,8 @@ class ModelConfig:
     # DeepSeek-V3's group-limited routing: the experts split into moe_n_group groups, a group scored by the
     # sum of its two best (score + bias); each token chooses among the experts of its moe_topk_group best
     # groups only. 1 and 1 = no groups.
-    moe_n_group: int = 1
-    moe_topk_group: int = 1
+    moe_n_group: int = 1  # expert groups (DeepSeek-V3: 8)
+    moe_topk_group: int = 1  # groups a token may choose experts from (DeepSeek-V3: 4)
     moe_routed_scaling_factor: float = 1.0  # the routed experts' gates times this (DeepSeek-V3: 2.5)
     capacity_factor: float = 0.0  # > 0: capacity-padded dispatch, overflow dropped (counted); <= 0: dropless
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss alpha * E * sum_i f_i P_i, per MoE layer
