@@ -266,10 +266,14 @@ def test_pallas_kernels_lower_for_accelerators(monkeypatch, platform, window):
         monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     else:
         # Newer JAX (0.12) asks the default device for its GPU generation; pretend to be an H200.
+        # The module moved from jax._src.pallas.triton (0.12.0) to jax._src (0.12.1).
         try:
-            from jax._src.pallas.triton import gpu_info
-        except ImportError:  # older JAX lowers for GPU without asking
-            gpu_info = None
+            from jax._src import gpu_info
+        except ImportError:
+            try:
+                from jax._src.pallas.triton import gpu_info
+            except ImportError:  # older JAX lowers for GPU without asking
+                gpu_info = None
         if gpu_info is not None and hasattr(gpu_info, "get_device_kind"):
             monkeypatch.setattr(gpu_info, "get_device_kind", lambda: "NVIDIA H200")
             if hasattr(gpu_info, "get_device_platform"):
