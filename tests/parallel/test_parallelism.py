@@ -19,6 +19,10 @@ BASE = [
     "data.seq_len=16", "data.global_batch_size=16", "train.steps=3", "optim.warmup_steps=0",
     "optim.learning_rate=1e-3",  # Adam magnifies float noise in ~0 gradients by lr
 ]
+# Parameters after 3 Adam steps, relative to each leaf's largest entry: Adam divides by sqrt(v), so
+# a gradient entry near zero turns its float noise into an update of up to lr. jax 0.12.1's fusions
+# gave 1.6e-4 on Gemma 3 at data=2 x tensor=4 (0.12.0: < 1e-4); every parameter moves by > 3e-3.
+PARAM_RTOL = 3e-4
 GQA = ["model.num_kv_heads=4"]
 QK_NORM = ["model.qk_norm=true"]  # Qwen3's per-head q/k RMSNorm: its [head_dim] scales replicated
 # Gemma 3's layer: (1 + w) norms (four per layer and q/k), scaled embeddings, GeGLU, q scaled by
@@ -56,7 +60,7 @@ def run(overrides: list[str], devices) -> tuple[dict, dict, list[float], dict]:
     final = jax.device_get(trainer.state["params"])
     # Every parameter moved by more than the tolerance it is compared with below, so "equal" is not
     # the trivial "nothing changed".
-    assert_trees_differ(final, initial, 1e-4)
+    assert_trees_differ(final, initial, PARAM_RTOL)
     return metrics, grads, losses, final
 
 
@@ -83,7 +87,7 @@ def test_layout_matches_single_device(layout, single_device_runs):
         assert abs(metrics[key] - ref_metrics[key]) <= 1e-5 * abs(ref_metrics[key]), (key, metrics[key], ref_metrics[key])
     assert_trees_close(grads, ref_grads, 1e-4, "gradient ")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(params, ref_params, 1e-4, "parameter after 3 steps ")
+    assert_trees_close(params, ref_params, PARAM_RTOL, "parameter after 3 steps ")
 
 
 def test_fsdp8_splits_every_large_weight():
