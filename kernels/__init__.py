@@ -1,7 +1,11 @@
 """Fused attention kernels behind one entry point, `flash_attention`.
 
     from jaxtrain.kernels import flash_attention
-    out = flash_attention(q, k, v, causal=True, segment_ids=None, implementation="auto", window=None)
+    out = flash_attention(q, k, v, causal=True, segment_ids=None, implementation="auto", window=None,
+                          sinks=None)
+
+`sinks` ([N] fp32, gpt-oss attention sinks) work in every implementation but 'cudnn'; a value head
+size other than the query/key head size (v [B, L, K, Hv]) only in 'xla'.
 
 Implementations: 'xla' (plain jnp reference, kernels/reference.py), 'pallas' (Pallas kernels,
 kernels/pallas_attention.py; TPU, and CPU in interpret mode), 'triton' (Triton kernels via

@@ -1,6 +1,6 @@
 """The one entry point, `flash_attention`, and how an implementation is chosen for a platform.
 
-Shape legend: B batch, L sequence length, N query heads, K kv heads, H head_dim.
+Shape legend: B batch, L sequence length, N query heads, K kv heads, H head_dim, Hv value head size.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from .common import BlockSizes, check_attention_inputs, check_window
+from .common import BlockSizes, check_attention_inputs, check_sinks, check_window
 from .reference import mha_local, mha_reference
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "triton", "cudnn")
@@ -138,15 +138,18 @@ def flash_attention(
     implementation: str = "auto",
     block_sizes: BlockSizes | tuple[int, int] | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(H)) v with GQA, causal, sliding-window and segment (packed document) masking.
+    """softmax(q k^T / sqrt(H)) v with GQA, causal, sliding-window and segment (packed document) masking,
+    and optional attention sinks.
 
     Differentiable: 'pallas' and 'triton' have custom VJPs with fused backward kernels.
 
     Args:
       q: [B, L, N, H] queries.
       k: [B, L, K, H] keys; N must be a multiple of K (GQA; K == 1 is MQA).
-      v: [B, L, K, H] values.
+      v: [B, L, K, Hv] values. Hv == H, except on 'xla', which takes any Hv (multi-head latent
+        attention; the scale stays 1/sqrt(H)); the other implementations refuse Hv != H.
       causal: a query sees only keys at or before its position.
       segment_ids: [B, L] int32; a query sees only keys with the same id. None = one segment.
       implementation: 'auto', 'xla', 'pallas', 'triton' or 'cudnn' (see resolve_implementation).
@@ -160,35 +163,43 @@ def flash_attention(
         window (their loops start at the first tile in it), 'xla' computes only the band of
         scores the window reaches (`mha_local`), 'cudnn' passes it to cuDNN's sliding window.
         A window >= L is plain causal attention.
+      sinks: [N] float (fp32) attention-sink logits, one per query head (gpt-oss), or None. Each
+        softmax row of head n gets one more term exp(sinks[n]) in its denominator: o = sum_j
+        exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[n])), transformers' GptOss eager attention (the
+        sink as an extra logit column, dropped after the softmax). Differentiable: the sinks get
+        gradients. 'pallas' and 'triton' apply it outside their kernels through the row log-sum-exp;
+        'cudnn' refuses it.
 
     Returns:
-      [B, L, N, H] in q's dtype. A row that sees no key is 0, and so are its gradients.
+      [B, L, N, Hv] in q's dtype. A row that sees no key is 0, and so are its gradients.
 
     Raises:
-      ValueError: bad shapes, an implementation not available on this platform, 'cudnn'
-        with fp32 inputs ('auto' never picks cuDNN for fp32), or a bad window (not a positive
-        int, or with causal=False).
+      ValueError: bad shapes (Hv != H outside 'xla'), an implementation not available on this
+        platform, 'cudnn' with fp32 inputs ('auto' never picks cuDNN for fp32) or with sinks, bad
+        sinks (not a float [N] array), or a bad window (not a positive int, or with causal=False).
     """
-    check_attention_inputs(q, k, v, segment_ids)
+    check_attention_inputs(q, k, v, segment_ids)  # Hv != H is checked against the implementation below
     name = resolve_implementation(implementation, dtype=q.dtype)
+    check_attention_inputs(q, k, v, segment_ids, name)
     window = check_window(window, causal, name)
+    sinks = check_sinks(sinks, q.shape[2], name)
     if name == "xla":
         if window is not None and window < q.shape[1]:
-            return mha_local(q, k, v, window=window, segment_ids=segment_ids)
-        return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
+            return mha_local(q, k, v, window=window, segment_ids=segment_ids, sinks=sinks)
+        return mha_reference(q, k, v, causal=causal, segment_ids=segment_ids, sinks=sinks)
     if name == "pallas":
         from .pallas_attention import pallas_flash_attention
 
         return pallas_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes,
-                                      window=window)
+                                      window=window, sinks=sinks)
     if name == "triton":
         from .triton_attention import triton_flash_attention
 
         return triton_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes,
-                                      window=window)
+                                      window=window, sinks=sinks)
     from .cudnn_attention import cudnn_flash_attention
 
-    return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+    return cudnn_flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window, sinks=sinks)
 
 
 BLOCK_IMPLEMENTATIONS = ("xla", "pallas", "triton")  # those with a blockwise form (attention_block)

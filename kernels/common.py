@@ -1,7 +1,7 @@
 """Pieces shared by every attention implementation: block sizes, shape checks, the mask value.
 
 Shape legend (used in every kernel file): B batch, L sequence length, N query heads, K kv heads,
-G = N // K query heads per kv head, H head_dim.
+G = N // K query heads per kv head, H head_dim (Hv: the value head size, H unless 'xla' is given another).
 """
 
 from __future__ import annotations
@@ -48,18 +48,28 @@ def as_block_sizes(block_sizes: BlockSizes | tuple[int, int] | None, default: Bl
     raise ValueError(f"block_sizes must be None, BlockSizes or (block_q, block_kv); got {block_sizes!r}")
 
 
-def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> None:
-    """Raises ValueError unless q [B, L, N, H], k/v [B, L, K, H] with N % K == 0 and segment_ids [B, L].
+def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
+                           implementation: str | None = None) -> None:
+    """Raises ValueError unless q [B, L, N, H], k [B, L, K, H], v [B, L, K, Hv] with N % K == 0 and
+    segment_ids [B, L].
 
-    Every implementation calls this first, so they all reject the same inputs with the same message.
+    Hv != H (a value head size other than the query/key head size, as in multi-head latent
+    attention) is taken only by `implementation` 'xla', and when `implementation` is None (not yet
+    resolved: `flash_attention` checks shapes before it picks one, and the kernel entries then
+    check again with their name). Every implementation calls this first, so they all reject the
+    same inputs with the same message.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same batch, seq and kv heads; got {k.shape} and {v.shape}")
     B, L, N, H = q.shape
     if k.shape[0] != B or k.shape[1] != L or k.shape[3] != H:
         raise ValueError(f"k/v must be [{B}, {L}, kv_heads, {H}] to match q {q.shape}; got {k.shape}")
+    Hv = v.shape[3]
+    if Hv != H and implementation not in (None, "xla"):
+        raise ValueError(f"attention implementation {implementation!r}: value head size {Hv} != query/key head "
+                         f"size {H}: only implementation 'xla' takes that")
     K = k.shape[2]
     if K == 0 or N % K != 0:
         raise ValueError(f"q heads ({N}) must be a multiple of kv heads ({K})")
@@ -70,6 +80,28 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
             raise ValueError(f"segment_ids must be [batch, seq] = [{B}, {L}]; got {tuple(segment_ids.shape)}")
         if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise ValueError(f"segment_ids must be integers; got {segment_ids.dtype}")
+
+
+def check_sinks(sinks: jax.Array | None, num_heads: int, implementation: str) -> jax.Array | None:
+    """Validates attention sinks (gpt-oss) and returns them as fp32 [N], or None (no sinks).
+
+    A sink is one learned logit per query head that joins every softmax row of that head as an
+    extra term exp(sink) in the denominator: it takes probability mass and adds no value.
+
+    Raises:
+      ValueError naming `implementation`: sinks that are not a floating [N] array, or sinks for
+      'cudnn' (jax.nn.dot_product_attention has no sink term).
+    """
+    if sinks is None:
+        return None
+    if implementation == "cudnn":
+        raise ValueError("attention implementation 'cudnn' takes no attention sinks "
+                         "(jax.nn.dot_product_attention has no sink term); use 'triton', 'pallas' or 'xla'")
+    shape = tuple(getattr(sinks, "shape", ()))
+    if shape != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"attention implementation {implementation!r}: sinks must be a float array [heads] = "
+                         f"[{num_heads}]; got shape {shape}, dtype {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    return jnp.asarray(sinks, jnp.float32)
 
 
 def check_window(window: int | None, causal: bool, implementation: str) -> int | None:

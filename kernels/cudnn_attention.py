@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import jax
 
-from .common import check_attention_inputs, check_window
+from .common import check_attention_inputs, check_sinks, check_window
 
 
 def cudnn_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                          segment_ids: jax.Array | None = None, window: int | None = None) -> jax.Array:
+                          segment_ids: jax.Array | None = None, window: int | None = None,
+                          sinks: jax.Array | None = None) -> jax.Array:
     """cuDNN flash attention; GQA is native, scale 1/sqrt(H), differentiable (cuDNN's backward).
 
     Args:
@@ -22,12 +23,17 @@ def cudnn_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
       window: sliding window (needs causal): query i sees keys i - window < j <= i. Passed as
         `local_window_size=(window - 1, 0)`, which jax turns into cuDNN's `sliding_window_length
         = window` (cuDNN's left window with an exclusive bound under the causal mask).
+      sinks: must be None: jax.nn.dot_product_attention has no sink term (a ValueError otherwise).
 
     Returns:
       [B, L, N, H] in q's dtype.
+
+    Raises:
+      ValueError: bad shapes (v's head size must equal q's here), a bad window, or sinks.
     """
-    check_attention_inputs(q, k, v, segment_ids)
+    check_attention_inputs(q, k, v, segment_ids, "cudnn")
     window = check_window(window, causal, "cudnn")
+    check_sinks(sinks, q.shape[2], "cudnn")
     mask_B1LL = None
     if segment_ids is not None:
         mask_B1LL = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]

@@ -26,6 +26,9 @@ afterwards in XLA (as FlashAttention-2 does), which keeps every program independ
 working set at one head. It works on the transposed tile S^T = K Q^T, so that its three matmuls
 need no in-kernel transpose and lse / D are read as lane-major rows.
 
+Attention sinks (gpt-oss) stay outside the kernels: the wrapper folds them into the forward's lse and
+output, and the unchanged backward kernels run on that (o', lse') (see _flash_padded_fwd).
+
 On CPU the kernels run with interpret=True (chosen automatically), on TPU compiled by Mosaic. TPU
 wants block sizes that are multiples of 128 (the default); interpret mode takes multiples of 8.
 """
@@ -42,7 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, check_window, vary_like_all
+from .common import (MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, check_sinks, check_window,
+                     vary_like_all)
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_kv=128)
 
@@ -328,8 +332,9 @@ def _segment_specs_q_tiled(cfg):
     ]
 
 
-def _fwd_call(cfg: _Config, q, k, v, segs: _Segments | None):
-    """q [B, N, Lp, H], k/v [B, K, Lp, H]. Returns o [B, N, Lp, H] and lse [B, N, Lp, 1] fp32."""
+def _fwd_call(cfg: _Config, q, k, v, segs: _Segments | None, out_dtype=None):
+    """q [B, N, Lp, H], k/v [B, K, Lp, H]. Returns o [B, N, Lp, H] in `out_dtype` (default q's) and
+    lse [B, N, Lp, 1] fp32."""
     B, N, Lp, H = q.shape
     has_segments = segs is not None
     in_specs = [_q_tile_spec(cfg), _kv_whole_spec(cfg), _kv_whole_spec(cfg)]
@@ -343,7 +348,7 @@ def _fwd_call(cfg: _Config, q, k, v, segs: _Segments | None):
         grid=(B, N, Lp // cfg.block_q),
         in_specs=in_specs,
         out_specs=[_q_tile_spec(cfg), row_spec],
-        out_shape=[_out_struct(q.shape, q.dtype, q), _out_struct((B, N, Lp, 1), jnp.float32, q)],
+        out_shape=[_out_struct(q.shape, out_dtype or q.dtype, q), _out_struct((B, N, Lp, 1), jnp.float32, q)],
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
@@ -414,19 +419,33 @@ def _bwd_call(cfg: _Config, q, k, v, segs: _Segments | None, o, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_padded(cfg: _Config, q, k, v, segs):
-    return _fwd_call(cfg, q, k, v, segs)[0]
+def _flash_padded(cfg: _Config, q, k, v, segs, sinks):
+    return _flash_padded_fwd(cfg, q, k, v, segs, sinks)[0]
 
 
-def _flash_padded_fwd(cfg, q, k, v, segs):
-    o, lse = _fwd_call(cfg, q, k, v, segs)
-    return o, (q, k, v, segs, o, lse)
+def _flash_padded_fwd(cfg, q, k, v, segs, sinks):
+    if sinks is None:
+        o, lse = _fwd_call(cfg, q, k, v, segs)
+        return o, (q, k, v, segs, o, lse, None)
+    # Sinks outside the kernel: with lse' = logaddexp(lse, sink) the row's softmax gains the term
+    # exp(sink), so o' = o * exp(lse - lse'). The kernel's o is kept fp32 until that rescale.
+    o, lse = _fwd_call(cfg, q, k, v, segs, out_dtype=jnp.float32)
+    sink_1N11 = sinks.reshape(1, -1, 1, 1)
+    lse_sink = jnp.logaddexp(lse, sink_1N11)
+    o = (o * jnp.exp(lse - lse_sink)).astype(q.dtype)
+    return o, (q, k, v, segs, o, lse_sink, sinks)
 
 
 def _flash_padded_bwd(cfg, residuals, do):
-    q, k, v, segs, o, lse = residuals
+    q, k, v, segs, o, lse, sinks = residuals
+    # With sinks, (o', lse') are exactly what the flash backward needs: P' = exp(s - lse'),
+    # D' = rowsum(dO * o'); and d sink = -sum over batch and rows of exp(sink - lse') * D'.
     dq, dk, dv = _bwd_call(cfg, q, k, v, segs, o, lse, do)
-    return dq, dk, dv, None  # segment ids are integers: no cotangent
+    dsinks = None
+    if sinks is not None:
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)  # [B, N, Lp, 1]
+        dsinks = -jnp.sum(jnp.exp(sinks.reshape(1, -1, 1, 1) - lse) * delta, axis=(0, 2, 3))
+    return dq, dk, dv, None, dsinks  # segment ids are integers: no cotangent
 
 
 _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
@@ -443,6 +462,7 @@ def pallas_flash_attention(
     block_sizes: BlockSizes | tuple[int, int] | None = None,
     interpret: bool | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Flash attention with Pallas kernels; differentiable through a custom VJP with fused kernels.
 
@@ -461,12 +481,16 @@ def pallas_flash_attention(
         segment ids only keys of its segment. The forward and dq loops start at the first kv
         tile the window reaches and the dk/dv loop stops at the last q tile that reaches its
         kv tile: tiles wholly outside the window are skipped, not masked.
+      sinks: [N] float attention-sink logits (gpt-oss) or None: exp(sinks[n]) joins every softmax
+        denominator of head n. Applied outside the kernels through the row log-sum-exp (see
+        _flash_padded_fwd); differentiable (d sinks from lse' and D').
 
     Returns:
       [B, L, N, H] in q's dtype. Rows with no visible key are 0 (their gradients too).
     """
-    check_attention_inputs(q, k, v, segment_ids)
+    check_attention_inputs(q, k, v, segment_ids, "pallas")
     window = check_window(window, causal, "pallas")
+    sinks = check_sinks(sinks, q.shape[2], "pallas")
     if kv_segment_ids is not None and segment_ids is None:
         raise ValueError("kv_segment_ids needs segment_ids")
     B, L, N, H = q.shape
@@ -483,14 +507,14 @@ def pallas_flash_attention(
 
     if segment_ids is not None and kv_segment_ids is None:
         kv_segment_ids = segment_ids
-    q, k, v, segment_ids, kv_segment_ids = vary_like_all(q, k, v, segment_ids, kv_segment_ids)
+    q, k, v, segment_ids, kv_segment_ids, sinks = vary_like_all(q, k, v, segment_ids, kv_segment_ids, sinks)
     segs = None
     if segment_ids is not None:
         # Padded positions get id 0; they are masked by length (keys) or sliced off (queries).
         q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
         kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, Lp - L)))
         segs = _Segments(q_seg[:, :, None], kv_seg[:, None, :], q_seg[:, None, :], kv_seg[:, :, None])
-    o_BNLH = _flash_padded(cfg, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v), segs)
+    o_BNLH = _flash_padded(cfg, to_kernel_layout(q), to_kernel_layout(k), to_kernel_layout(v), segs, sinks)
     return o_BNLH.transpose(0, 2, 1, 3)[:, :L]
 
 

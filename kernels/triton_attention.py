@@ -17,6 +17,9 @@ GQA: the forward and dq kernels read kv head n // G. The dk/dv kernel runs one p
 sums over the G heads of each group (FlashAttention-2 does the same), which keeps all programs
 independent: no atomics.
 
+Attention sinks (gpt-oss) stay outside the kernels: the custom VJP folds them into the forward's lse
+and output, and the unchanged backward kernels run on that (o', lse') (see _flash_fwd).
+
 The @triton.jit kernels and `launch_plan` need only `triton`; `jax_triton` is imported lazily in
 the JAX wrapper (it fails to import under a CPU-only jax). Tests launch the kernels directly on
 CPU torch tensors under TRITON_INTERPRET=1 with the same `launch_plan`.
@@ -33,7 +36,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from .common import MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, check_window, vary_like_all
+from .common import (MASK_VALUE, BlockSizes, as_block_sizes, check_attention_inputs, check_sinks, check_window,
+                     vary_like_all)
 
 # Globals read inside @triton.jit must be constexpr.
 _MASK = tl.constexpr(MASK_VALUE)
@@ -450,20 +454,31 @@ def _delta(do, o):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Config, q, k, v, segs):
-    return _fwd(cfg, q, k, v, segs)[0]
+def _flash(cfg: _Config, q, k, v, segs, sinks):
+    return _flash_fwd(cfg, q, k, v, segs, sinks)[0]
 
 
-def _flash_fwd(cfg, q, k, v, segs):
-    o, lse = _fwd(cfg, q, k, v, segs)
-    return o, (q, k, v, segs, o, lse)
+def _flash_fwd(cfg, q, k, v, segs, sinks):
+    if sinks is None:
+        o, lse = _fwd(cfg, q, k, v, segs)
+        return o, (q, k, v, segs, o, lse, None)
+    # Sinks outside the kernel: with lse' = logaddexp(lse, sink) the row's softmax gains the term
+    # exp(sink), so o' = o * exp(lse - lse'). The kernel stores o in fp32 for that rescale.
+    o, lse = _fwd(cfg, q, k, v, segs, jnp.float32)
+    lse_sink = jnp.logaddexp(lse, sinks[None, :, None])  # [B, N, L]
+    o = (o * jnp.exp(lse - lse_sink).transpose(0, 2, 1)[..., None]).astype(q.dtype)
+    return o, (q, k, v, segs, o, lse_sink, sinks)
 
 
 def _flash_bwd(cfg, residuals, do):
-    q, k, v, segs, o, lse = residuals
+    q, k, v, segs, o, lse, sinks = residuals
     do = do.astype(q.dtype)
-    dq, dk, dv = _bwd(cfg, q, k, v, segs, do, lse, _delta(do, o), q.dtype)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None  # segment ids are integers: no cotangent
+    # With sinks, (o', lse') are exactly what the flash backward needs: P' = exp(s - lse'),
+    # D' = rowsum(dO * o'); and d sink = -sum over batch and rows of exp(sink - lse') * D'.
+    delta = _delta(do, o)
+    dq, dk, dv = _bwd(cfg, q, k, v, segs, do, lse, delta, q.dtype)
+    dsinks = None if sinks is None else -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks  # segment ids are integers: no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -471,7 +486,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, window=None):
     """Checked inputs -> (_Config, (q_seg, kv_seg) int32 or None); kv ids default to the queries'."""
-    check_attention_inputs(q, k, v, segment_ids)
+    check_attention_inputs(q, k, v, segment_ids, "triton")
     window = check_window(window, causal, "triton")
     blocks = None if block_sizes is None else as_block_sizes(block_sizes, DEFAULT_FWD_BLOCKS)
     cfg = _Config(causal=bool(causal), block_sizes=blocks, bwd_block_sizes=blocks, window=window)
@@ -491,6 +506,7 @@ def triton_flash_attention(
     kv_segment_ids=None,
     block_sizes: BlockSizes | tuple[int, int] | None = None,
     window: int | None = None,
+    sinks=None,
 ):
     """Flash attention with the Triton kernels via jax-triton (NVIDIA GPU); differentiable.
 
@@ -508,15 +524,20 @@ def triton_flash_attention(
         segment ids only keys of its segment. The forward and dq loops start at the first kv
         tile the window reaches and the dk/dv loop ends at the last q tile that reaches its kv
         tile: tiles wholly outside the window are skipped, not masked.
+      sinks: [N] float attention-sink logits (gpt-oss) or None: exp(sinks[n]) joins every softmax
+        denominator of head n. Applied outside the kernels through the row log-sum-exp (see
+        _flash_fwd); differentiable (d sinks from lse' and D').
 
     Returns:
       [B, L, N, H] in q's dtype; rows with no visible key are 0.
     """
     if segment_ids is not None and kv_segment_ids is None:
         kv_segment_ids = segment_ids
-    q, k, v, segment_ids, kv_segment_ids = vary_like_all(q, k, v, segment_ids, kv_segment_ids)
+    check_attention_inputs(q, k, v, segment_ids, "triton")  # before the sinks' check reads N
+    sinks = check_sinks(sinks, q.shape[2], "triton")
+    q, k, v, segment_ids, kv_segment_ids, sinks = vary_like_all(q, k, v, segment_ids, kv_segment_ids, sinks)
     cfg, segs = _setup(q, k, v, causal, segment_ids, kv_segment_ids, block_sizes, window)
-    return _flash(cfg, q, k, v, segs)
+    return _flash(cfg, q, k, v, segs, sinks)
 
 
 def triton_attention_block(q, k, v, *, causal: bool, segment_ids=None, kv_segment_ids=None, block_sizes=None):
