@@ -8,15 +8,13 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator
-
 import numpy as np
 import yaml
 
 from jaxtrain.config import Config, ConfigError, from_dict
 from jaxtrain.hf.files import (HF_CONFIG, SafetensorsReader, check_tensors, copy_tokenizer, finish, fresh_output,
                                read_hf_config, refuse_url, writing)
-from jaxtrain.hf.mapping import model_section_from_hf, params_from_hf
+from jaxtrain.hf.mapping import model_section_from_hf, param_plan, params_from_hf
 
 
 def import_hf(source: str, output: str) -> dict:
@@ -30,7 +28,11 @@ def import_hf(source: str, output: str) -> dict:
       Summary: output, num_params, source_dtype, files (safetensors read), tokenizer (files copied).
     Raises:
       ConfigError: missing/invalid source, a field or tensor jaxtrain cannot represent, an
-        existing output, or a URL for either. Raised before anything is written.
+        existing output, or a URL for either (raised before anything is written), or NaN/Inf
+        weights (found while writing; the partial output is removed).
+
+    The weights stream: each parameter is read, converted and written piece by piece
+    (`jaxtrain.hf.streaming`), so host memory holds a few pieces, never the model.
     """
     refuse_url(source, "import-hf SRC", "download it first: gcloud storage cp -r / aws s3 cp --recursive")
     # An import copied into s3:// would not be readable there (docs/checkpoint.md): keep it local
@@ -38,8 +40,17 @@ def import_hf(source: str, output: str) -> dict:
     refuse_url(output, "import-hf --output", "write it locally or on a shared filesystem; a run in a bucket "
                "starts from it with checkpoint.init_from=DIR")
     src = Path(source).expanduser()
-    hf, model, params, source_dtype, files = read_hf(source)
-    out, tmp = fresh_output(output)
+    with contextlib.ExitStack() as stack:  # the safetensors files stay open while they are read
+        hf, model, reader, source_dtype = _open_hf(source, "import-hf source", stack)
+        out, tmp = fresh_output(output)
+        return _write_import(src, out, tmp, hf, model, reader, source_dtype)
+
+
+def _write_import(src: Path, out: Path, tmp: Path, hf: dict, model: dict, reader: SafetensorsReader,
+                  source_dtype: str) -> dict:
+    """The body of `import_hf`: everything written into `tmp`, which is renamed to `out` at the end."""
+    from jaxtrain.hf.streaming import PIECE_BYTES, StreamedLeaf, save_streamed
+
     tokenizer = out / "tokenizer.json" if (src / "tokenizer.json").is_file() else None
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", src.absolute().name) or "hf"
     cfg = from_dict({
@@ -52,7 +63,8 @@ def import_hf(source: str, output: str) -> dict:
         # A run from this config starts from the imported weights unless told otherwise.
         "checkpoint": {"init_from": os.fspath(out)},
     }, need_data=False)
-    num_params = sum(x.size for x in _leaves(params))
+    leaves = [StreamedLeaf(plan, reader.rows) for plan in param_plan(model_only_config(model).model, PIECE_BYTES)]
+    num_params = sum(int(np.prod(leaf.shape)) for leaf in leaves)
     with writing(tmp):
         header = (f"# Imported from {src.absolute()} by `jaxtrain import-hf` ({num_params:,} parameters).\n"
                   f"# Train: jaxtrain train --config {out / 'config.yaml'} data.source=text|tokens data.path=... "
@@ -60,10 +72,11 @@ def import_hf(source: str, output: str) -> dict:
         (tmp / "config.yaml").write_text(header + _with_source_comment(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))
         (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         copied = copy_tokenizer(src, tmp)
-        _save_params(tmp / "checkpoints", params, {"source": os.fspath(src.absolute()), "source_dtype": source_dtype})
+        save_streamed(tmp / "checkpoints", leaves, {"hf_import": {"source": os.fspath(src.absolute()),
+                                                                  "source_dtype": source_dtype}})
         finish(tmp, out)
     return {"output": os.fspath(out), "num_params": num_params, "source_dtype": source_dtype,
-            "files": files, "tokenizer": copied}
+            "files": reader.files, "tokenizer": copied}
 
 
 def model_only_config(model: dict) -> Config:
@@ -80,40 +93,26 @@ def read_hf(source: str, what: str = "import-hf source") -> tuple[dict, dict, di
     Raises:
       ConfigError: not a directory, or a field or tensor jaxtrain cannot represent (`what` names it).
     """
+    with contextlib.ExitStack() as stack:
+        hf, model, reader, source_dtype = _open_hf(source, what, stack)
+        params = params_from_hf(reader.get, model_only_config(model).model)
+    return hf, model, params, source_dtype, reader.files
+
+
+def _open_hf(source: str, what: str, stack: contextlib.ExitStack) -> tuple[dict, dict, SafetensorsReader, str]:
+    """(config.json, the model section, a reader of the checked tensors, the source dtype); the
+    files stay open until `stack` closes. Reads no tensor data."""
     src = Path(source).expanduser()
     if not src.is_dir():
         raise ConfigError(f"{what} '{source}' does not exist or is not a directory")
     hf = read_hf_config(src)
     model = model_section_from_hf(hf)
-    model_cfg = model_only_config(model).model
-    with contextlib.ExitStack() as stack:
-        reader = SafetensorsReader(src, stack)
-        source_dtype = check_tensors(reader, model_cfg)
-        params = params_from_hf(reader.get, model_cfg)
-        files = reader.files
-    return hf, model, params, source_dtype, files
+    reader = SafetensorsReader(src, stack)
+    source_dtype = check_tensors(reader, model_only_config(model).model)
+    return hf, model, reader, source_dtype
 
 
 def _with_source_comment(text: str) -> str:
     """The dumped config with a comment on `data.source: null` saying what to choose."""
     note = "  source: null  # choose: text or tokens (with data.path), or markov (synthetic); training refuses null"
     return text.replace("\ndata:\n  source: null\n", f"\ndata:\n{note}\n", 1)
-
-
-def _leaves(tree: dict) -> Iterator[np.ndarray]:
-    for v in tree.values():
-        if isinstance(v, dict):
-            yield from _leaves(v)
-        else:
-            yield v
-
-
-def _save_params(directory: Path, params: dict, extra: dict) -> None:
-    """Write `{"params": params}` as committed checkpoint 0 with jaxtrain's Checkpointer, so
-    restore_params_only, `jaxtrain checkpoints` and discovery treat it like any other."""
-    from jaxtrain.checkpoint.checkpointer import Checkpointer
-    from jaxtrain.config import CheckpointConfig
-
-    with Checkpointer(os.fspath(directory), CheckpointConfig(async_save=False)) as ckpt:
-        if not ckpt.save(0, {"params": params}, {"hf_import": extra}):
-            raise ConfigError("the source weights hold NaN or Inf values; nothing was imported")

@@ -43,7 +43,7 @@ q/k rows need no permutation: both sides rotate channel pairs (i, i + H/2) ("rot
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -457,19 +457,20 @@ def _gemma3_to_hf(m: ModelConfig, rope: dict) -> dict:
 
 # jaxtrain path under `blocks` -> (HF name under `model.layers.{i}.`, HF [out, in] -> jaxtrain, back).
 # `m` is the ModelConfig; the reshapes split/join the head dimension of the [out, in] matrices.
+# A conversion takes a block of whole rows (heads, for q/k/v) as well as the whole tensor (`_ROWS`).
 _Convert = Callable[[np.ndarray, ModelConfig], np.ndarray]
 _LAYER: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
     ("attn", "wq"): ("self_attn.q_proj.weight",
-                     lambda t, m: t.reshape(m.num_heads, m.head_dim, m.d_model).transpose(2, 0, 1),
+                     lambda t, m: t.reshape(-1, m.head_dim, m.d_model).transpose(2, 0, 1),
                      lambda a, m: a.transpose(1, 2, 0).reshape(m.num_heads * m.head_dim, m.d_model)),
     ("attn", "wk"): ("self_attn.k_proj.weight",
-                     lambda t, m: t.reshape(m.num_kv_heads, m.head_dim, m.d_model).transpose(2, 0, 1),
+                     lambda t, m: t.reshape(-1, m.head_dim, m.d_model).transpose(2, 0, 1),
                      lambda a, m: a.transpose(1, 2, 0).reshape(m.num_kv_heads * m.head_dim, m.d_model)),
     ("attn", "wv"): ("self_attn.v_proj.weight",
-                     lambda t, m: t.reshape(m.num_kv_heads, m.head_dim, m.d_model).transpose(2, 0, 1),
+                     lambda t, m: t.reshape(-1, m.head_dim, m.d_model).transpose(2, 0, 1),
                      lambda a, m: a.transpose(1, 2, 0).reshape(m.num_kv_heads * m.head_dim, m.d_model)),
     ("attn", "wo"): ("self_attn.o_proj.weight",
-                     lambda t, m: t.reshape(m.d_model, m.num_heads, m.head_dim).transpose(1, 2, 0),
+                     lambda t, m: t.reshape(-1, m.num_heads, m.head_dim).transpose(1, 2, 0),
                      lambda a, m: a.transpose(2, 0, 1).reshape(m.d_model, m.num_heads * m.head_dim)),
     ("mlp", "w_gate"): ("mlp.gate_proj.weight", lambda t, m: t.T, lambda a, m: a.T),
     ("mlp", "w_up"): ("mlp.up_proj.weight", lambda t, m: t.T, lambda a, m: a.T),
@@ -482,6 +483,15 @@ _TOP: dict[str, tuple[str, _Convert, _Convert]] = {
     "embed": ("model.embed_tokens.weight", lambda t, m: t, lambda a, m: a),
     "final_norm": ("model.norm.weight", lambda t, m: t, lambda a, m: a),
     "head": ("lm_head.weight", lambda t, m: t.T, lambda a, m: a.T),
+}
+# Parameters the streaming import may build from row blocks of their HF tensor: key (a `_LAYER` /
+# `_TOP` path, or an expert leaf) -> (the axis of the jaxtrain tensor, without the layer axis, that HF
+# rows become, the ModelConfig field giving HF rows per step along it, or None: one row). Others are
+# read whole.
+_ROWS: dict[tuple[str, ...], tuple[int, Optional[str]]] = {
+    ("attn", "wq"): (1, "head_dim"), ("attn", "wk"): (1, "head_dim"), ("attn", "wv"): (1, "head_dim"),
+    ("attn", "wo"): (2, None), ("mlp", "w_gate"): (1, None), ("mlp", "w_up"): (1, None),
+    ("mlp", "w_down"): (1, None), ("mlp", "router"): (1, None), ("embed",): (0, None), ("head",): (1, None),
 }
 
 
@@ -566,50 +576,115 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+class Piece(NamedTuple):
+    """One block of a jaxtrain parameter: where it lies in it, and the HF rows it is made of."""
+    index: tuple[slice, ...]  # the block's place in the jaxtrain parameter
+    name: str  # the HF tensor
+    rows: tuple[int, int]  # [start, stop) of its first axis
+    convert: Callable[[np.ndarray], np.ndarray]  # those rows (fp32) -> the block (reshape to `index`'s shape)
+
+
+class LeafPlan(NamedTuple):
+    """How one jaxtrain parameter is assembled from HF tensors, piece by piece."""
+    path: tuple[str, ...]  # key path in the parameter tree, e.g. ("blocks", "attn", "wq")
+    shape: tuple[int, ...]
+    block: tuple[int, ...]  # every piece's shape (the last along a split axis may be shorter)
+    pieces: list[Piece]
+
+
+def param_plan(m: ModelConfig, piece_bytes: Optional[int] = None) -> list[LeafPlan]:
+    """Every jaxtrain parameter (fp32) of model `m` as pieces of HF tensors, in `params_from_hf`'s order.
+
+    Args:
+      m: the model section.
+      piece_bytes: split the HF tensors that `_ROWS` names into row blocks of at most this many fp32
+        bytes (at least one row step each); None: one piece per HF tensor (per layer, per expert).
+    """
+    shapes = hf_shapes(m)
+
+    def split(key: tuple[str, ...], name: str, out: tuple[int, ...], lead: tuple[slice, ...],
+              convert: Callable[[np.ndarray], np.ndarray]) -> tuple[tuple[int, ...], list[Piece]]:
+        """(block, pieces) of HF tensor `name`, whose jaxtrain form has shape `out`, at `lead` of the stack."""
+        rows = shapes[name][0]
+        axis, unit_field = _ROWS.get(key, (0, None))
+        unit = getattr(m, unit_field) if unit_field else 1
+        per = rows
+        if piece_bytes is not None and key in _ROWS:
+            row_bytes = 4 * int(np.prod(shapes[name][1:], dtype=np.int64))
+            per = min(rows, max(1, piece_bytes // max(1, row_bytes * unit)) * unit)
+        pieces = []
+        for a in range(0, rows, per):
+            b = min(a + per, rows)
+            index = [slice(None)] * len(out)
+            if per < rows:
+                index[axis] = slice(a // unit, b // unit)
+            pieces.append(Piece(lead + tuple(index), name, (a, b), convert))
+        block = tuple(per // unit if per < rows and i == axis else n for i, n in enumerate(out))
+        return (1,) * len(lead) + block, pieces
+
+    def stacked(path: tuple[str, ...], key: tuple[str, ...], names: list[list[str]], out: tuple[int, ...],
+                convert: Callable[[np.ndarray], np.ndarray]) -> LeafPlan:
+        """A parameter with leading axes over `names` (layers, or layers x experts) of HF tensors."""
+        lead_shape = (len(names),) if isinstance(names[0], str) else (len(names), len(names[0]))
+        pieces: list[Piece] = []
+        block: tuple[int, ...] = ()
+        for n, row in enumerate(names):
+            for e, name in ([(None, row)] if isinstance(row, str) else enumerate(row)):
+                lead = (slice(n, n + 1),) if e is None else (slice(n, n + 1), slice(e, e + 1))
+                block, more = split(key, name, out, lead, convert)
+                pieces += more
+        return LeafPlan(path, lead_shape + out, block, pieces)
+
+    layers_of: dict[str, list[int]] = {}  # stack -> its HF layers, in stack order
+    for i, (stack, _, _) in enumerate(layer_slots(m)):
+        layers_of.setdefault(stack, []).append(i)
+    plans: list[LeafPlan] = []
+    module, experts = _moe_names(m)
+    for stack, hf_layers in layers_of.items():
+        moe = stack == "blocks" and m.num_experts > 0
+        for path, (suffix, from_hf, _) in _layer_entries(m, moe).items():
+            names = [f"model.layers.{i}.{suffix}" for i in hf_layers]
+            # Only to learn the converted shape: views of an untouched buffer take no memory.
+            out_shape = from_hf(np.empty(shapes[names[0]], np.float32), m).shape
+            plans.append(stacked((stack, *path), path, names, out_shape, functools.partial(from_hf, m=m)))
+        if moe:
+            gate = [f"model.layers.{i}.{module}.gate.weight" for i in hf_layers]
+            plans.append(stacked((stack, "mlp", "router"), ("mlp", "router"), gate, shapes[gate[0]][::-1], _t))
+            for leaf, w in experts.items():
+                names = [[f"model.layers.{i}.{module}.experts.{e}.{w}.weight" for e in range(m.num_experts)]
+                         for i in hf_layers]
+                plans.append(stacked((stack, "mlp", leaf), ("mlp", leaf), names, shapes[names[0][0]][::-1], _t))
+    tops = ["embed", "final_norm"] + ([] if m.tie_embeddings else ["head"])
+    for key in tops:
+        name, from_hf, _ = _TOP[key]
+        shape = shapes[name][::-1] if key == "head" else shapes[name]
+        block, pieces = split((key,), name, shape, (), functools.partial(from_hf, m=m))
+        plans.append(LeafPlan((key, "scale") if key == "final_norm" else (key,), shape, block, pieces))
+    return plans
+
+
+def _t(t: np.ndarray) -> np.ndarray:
+    return t.T
+
+
 def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
-    """jaxtrain's parameter tree (fp32 numpy, `nnx.to_pure_dict` layout) from HF tensors.
+    """jaxtrain's parameter tree (fp32 numpy, `nnx.to_pure_dict` layout) from HF tensors, in memory
+    (the streaming import, `jaxtrain.hf.streaming`, writes the same pieces straight to a checkpoint).
 
     Args:
       get: returns the HF tensor of a name (any float dtype; upcast to fp32 here, exactly).
       m: the model section the tensors belong to.
     """
-    def top(key: str) -> np.ndarray:
-        name, from_hf, _ = _TOP[key]
-        return np.ascontiguousarray(from_hf(get(name).astype(np.float32), m))
-
-    layers_of: dict[str, list[int]] = {}  # stack -> its HF layers, in stack order
-    for i, (stack, _, _) in enumerate(layer_slots(m)):
-        layers_of.setdefault(stack, []).append(i)
     params: dict = {}
-    module, experts = _moe_names(m)
-    for stack, hf_layers in layers_of.items():
-        moe = stack == "blocks" and m.num_experts > 0
-        tree: dict = {}
-        for path, (suffix, from_hf, _) in _layer_entries(m, moe).items():
-            # Filled layer by layer: the peak is the fp32 model plus one source tensor, not twice the model.
-            stacked = None
-            for n, i in enumerate(hf_layers):
-                a = from_hf(get(f"model.layers.{i}.{suffix}").astype(np.float32), m)
-                if stacked is None:
-                    stacked = np.empty((len(hf_layers), *a.shape), np.float32)
-                stacked[n] = a
-            node = tree
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = stacked
-        if moe:
-            mlp = tree.setdefault("mlp", {})
-            mlp["router"] = np.stack([get(f"model.layers.{i}.{module}.gate.weight").astype(np.float32).T
-                                      for i in hf_layers])
-            for leaf, w in experts.items():
-                mlp[leaf] = np.stack([np.stack([get(f"model.layers.{i}.{module}.experts.{e}.{w}.weight")
-                                                .astype(np.float32).T for e in range(m.num_experts)])
-                                      for i in hf_layers])
-            mlp.update({k: np.ascontiguousarray(v) for k, v in mlp.items()})
-        params[stack] = tree
-    params.update({"embed": top("embed"), "final_norm": {"scale": top("final_norm")}})
-    if not m.tie_embeddings:
-        params["head"] = top("head")
+    for leaf in param_plan(m):
+        # Filled piece by piece: the peak is the fp32 model plus one source tensor, not twice the model.
+        a = np.empty(leaf.shape, np.float32)
+        for p in leaf.pieces:
+            a[p.index] = p.convert(get(p.name).astype(np.float32)).reshape(a[p.index].shape)
+        node = params
+        for key in leaf.path[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf.path[-1]] = a
     return params
 
 
