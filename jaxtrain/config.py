@@ -169,6 +169,11 @@ DEFAULT_RULES: dict = {
     "act_embed": None,  # activations' embed dim stays whole (fsdp gathers weights, not activations)
     "experts": "expert",  # MoE: the experts of a layer's stacked expert weights (expert parallelism)
     "moe_mlp": "tensor",  # MoE: each expert's SwiGLU hidden dimension
+    # MLA (jaxtrain/model/mla.py): the query and key/value latents, replicated. A latent is small
+    # and per token, and every head shard needs all of it to expand its heads: sharding it would
+    # add an all-gather per layer to save a few hundred channels.
+    "q_lora": None,
+    "kv_lora": None,
 }
 
 
@@ -330,7 +335,7 @@ class ModelConfig:
     sliding_window: int = 0
     # With a window: layer i is global (full causal) iff (i + 1) % this == 0 (Gemma 3: 6); 0 = every layer local.
     sliding_window_pattern: int = 0
-    rope_local_theta: float = 0.0  # rotary base of the local layers (Gemma 3: 10000); 0 = rope_theta
+    rope_local_theta: float = 0.0  # rotary base of the local layers (Gemma 3: 10000); 0 = rope_theta (yarn: the global rope)
     # Multi-head latent attention (DeepSeek-V2/V3; docs/models.md). kv_lora_rank > 0 replaces the q/k/v
     # projections: keys and values come from one kv_lora_rank latent (normalised) per token, each head's
     # key qk_nope_head_dim channels from it plus one qk_rope_head_dim rotary key shared by the heads, its
@@ -436,10 +441,6 @@ class ModelConfig:
         if self.mlp_activation == "gelu_tanh" and self.num_experts > 0:
             raise ConfigError(f"model.mlp_activation={self.mlp_activation} with model.num_experts={self.num_experts}: "
                               "the experts are SwiGLU (silu or clamped_swiglu) only")
-        if self.mixed_windows and self.num_experts > 0:
-            raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} with model.num_experts="
-                              f"{self.num_experts}: local and global layers in a mixture of experts are not built yet "
-                              "(a window in every layer is: sliding_window_pattern=0)")
 
     @property
     def mla(self) -> bool:
@@ -1319,6 +1320,9 @@ def validate_pipeline(cfg: Config, stages: int) -> None:
         raise ConfigError(f"model.sliding_window_pattern={m.sliding_window_pattern} with mesh.stage={stages}: local and "
                           "global layers inside pipeline stages are not built yet; use mesh.stage=1 or a window in "
                           "every layer (sliding_window_pattern=0)")
+    if m.mtp_depth > 0:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with mesh.stage={stages}: multi-token prediction after a "
+                          "pipeline's last stage is not built; use mesh.stage=1 or model.mtp_depth=0")
     groups = stages * p.repeats
     # What the stages split: the layers, or a mixture of experts' units (one MoE layer with its
     # moe_every - 1 dense layers; the first dense layers run before the pipeline).
@@ -1345,6 +1349,9 @@ def validate_context(cfg: Config, context: int) -> None:
     if cfg.model.sliding_window > 0:
         raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} with mesh.context={context}: the context "
                           "ring cannot skip the hops outside a window yet; use mesh.context=1")
+    if cfg.model.attention_sinks:
+        raise ConfigError(f"model.attention_sinks=true with mesh.context={context}: the context blocks do not "
+                          "combine a sink logit yet; use mesh.context=1")
     order, seq = cfg.context.order, cfg.data.seq_len
     chunks = 2 * context if order == "zigzag" else context
     if seq % chunks:

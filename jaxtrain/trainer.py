@@ -95,6 +95,7 @@ ABORT_GRACE_S = 1.0
 RECORDED = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps", "spike", "loss_z", "grad_norm_z",
             "loss_rise", "loss_divergence")
 MOE_RECORDED = ("moe_aux_loss", "router_z_loss", "moe_max_load", "moe_dropped_fraction")  # model.num_experts > 0
+MTP_RECORDED = ("mtp_loss",)  # model.mtp_depth > 0
 
 
 def _rule_axes(target) -> list[str]:
@@ -430,7 +431,7 @@ class Trainer:
         """The metrics.jsonl record of a finished step."""
         values, d = self._values(pending), self.cfg.data
         record = {"step": pending.step, "time": time.time(), **{k: values[k] for k in RECORDED},
-                  **{k: values[k] for k in MOE_RECORDED if k in values},
+                  **{k: values[k] for k in MOE_RECORDED + MTP_RECORDED if k in values},
                   **self.throughput.record(pending.step, values["tokens"]),
                   "skipped": bool(values["skipped"]), "data_wait_s": pending.data_wait_s,
                   "data_wait_interval_s": self._data_wait_since_log,  # summed since the last record

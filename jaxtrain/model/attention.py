@@ -41,8 +41,12 @@ def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int], *,
         would be wrong.
     """
     dtype = _POLICY_DTYPES[cfg.precision.policy] if dtype is None else dtype
+    if cfg.model.mla:
+        _check_mla(cfg, mesh_sizes)
     try:
-        implementation = kernels.resolve_implementation(cfg.model.attention, platform, dtype, available)
+        # MLA's value heads (v_head_dim) differ from its query/key heads: only `xla` takes that
+        implementation = kernels.resolve_implementation("xla" if cfg.model.mla else cfg.model.attention, platform,
+                                                        dtype, available)
     except ValueError as e:
         raise ConfigError(f"model.attention={cfg.model.attention}: {e}") from None
     check_attention_layout(cfg.mesh.rules, mesh_sizes, implementation)
@@ -51,6 +55,18 @@ def resolve_attention(cfg: Config, platform: str, mesh_sizes: dict[str, int], *,
                           f"for context parallelism (mesh.context={mesh_sizes['context']}); use one of "
                           f"{', '.join(kernels.BLOCK_IMPLEMENTATIONS)}")
     return implementation
+
+
+def _check_mla(cfg: Config, mesh_sizes: dict[str, int]) -> None:
+    """Multi-head latent attention runs `xla` only (its value head size differs from q's and k's,
+    which no fused kernel takes), and not over a context-split sequence (not built)."""
+    if cfg.model.attention not in ("auto", "xla"):
+        raise ConfigError(f"model.attention={cfg.model.attention} with multi-head latent attention (model.kv_lora_rank="
+                          f"{cfg.model.kv_lora_rank}): its value heads (v_head_dim) differ from its query/key heads, "
+                          "which only model.attention=xla (or auto) takes")
+    if mesh_sizes.get("context", 1) > 1:
+        raise ConfigError(f"mesh.context={mesh_sizes['context']} with multi-head latent attention (model.kv_lora_rank="
+                          f"{cfg.model.kv_lora_rank}) is not built yet; use mesh.context=1")
 
 
 def repeat_kv_heads(k_BLKH: jax.Array, num_heads: int, shards: int) -> jax.Array:
@@ -73,7 +89,8 @@ def repeat_kv_heads(k_BLKH: jax.Array, num_heads: int, shards: int) -> jax.Array
 @jax.named_scope("attention")  # `jaxtrain profile-summary` counts the ops under this scope as attention
 def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_BL: jax.Array | None,
            implementation: str, partitioning: Partitioning, *, platform: str | None = None,
-           available: tuple[str, ...] | None = None, window: int | None = None) -> jax.Array:
+           available: tuple[str, ...] | None = None, window: int | None = None,
+           sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention [B, L, N, H] with `model.attention`'s implementation.
 
     `xla` is plain jnp that XLA partitions itself; a kernel is opaque to the partitioner, so it
@@ -83,24 +100,31 @@ def attend(q_BLNH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segment_ids_
     query heads works. `platform` (None = the mesh's devices, else JAX's default backend) and
     `available` are for tests, as in `resolve_attention`. `window`: the sliding window (static) of
     `kernels.flash_attention`, or None; refused with context parallelism (config validation).
+    `sinks`: fp32 [N], a logit per query head in each softmax's denominator (gpt-oss), or None;
+    per shard they split like the query heads; refused with context parallelism.
     """
     if platform is None:
         platform = (partitioning.mesh.devices.flat[0].platform if partitioning.mesh is not None
                     else jax.default_backend())
     implementation = kernels.resolve_implementation(implementation, platform, q_BLNH.dtype, available)
     if partitioning.context is not None:
+        if sinks is not None:
+            raise ConfigError("model.attention_sinks with context parallelism (mesh.context > 1) is not built yet")
         if window is not None:
             raise ConfigError(f"model.sliding_window={window} with context parallelism is not built yet")
         return _context_attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, implementation, partitioning)
-    run = lambda q, k, v, seg: kernels.flash_attention(q, k, v, causal=True, segment_ids=seg,
-                                                       implementation=implementation, window=window)
+    # Without sinks the kernel is called as before they existed (no `sinks` argument at all).
+    extra = lambda sinks_N: {} if sinks_N is None else {"sinks": sinks_N}
+    run = lambda q, k, v, seg, sinks_N=None: kernels.flash_attention(
+        q, k, v, causal=True, segment_ids=seg, implementation=implementation, window=window, **extra(sinks_N))
     if implementation == "xla":
-        return run(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+        return run(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, sinks)
     N, shards = q_BLNH.shape[2], partitioning.ways("heads")
     k_BLKH, v_BLKH = (repeat_kv_heads(x, N, shards) for x in (k_BLKH, v_BLKH))
     qkv = ("batch", "length", "heads", "head_dim")  # kv heads split exactly like the query heads
-    return partitioning.per_shard(run, (qkv, qkv, qkv, ("batch", "length")), qkv,
-                                  whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+    # sinks [N] split like the heads (None: per_shard leaves the argument out)
+    return partitioning.per_shard(run, (qkv, qkv, qkv, ("batch", "length"), ("heads",)), qkv,
+                                  whole=KERNEL_WHOLE_AXES)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, sinks)
 
 
 def _context_attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, implementation: str, partitioning: Partitioning):
@@ -137,13 +161,15 @@ def write_cache(cache_BSKH: jax.Array, new_BLKH: jax.Array, start_B: jax.Array) 
 
 @jax.named_scope("attention")
 def attend_cached(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, positions_BL: jax.Array,
-                  window: int | None = None) -> jax.Array:
-    """Grouped-query attention of new queries over a KV cache: [B, L, N, H].
+                  window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """Grouped-query attention of new queries over a KV cache: [B, L, N, Hv] (v's head size; H, q's and
+    k's, sets the 1/sqrt(H) scale; the two differ in multi-head latent attention).
 
     Cache slot s holds the token at position s of its row, so a query at position p sees slots
     0..p: the causal mask, and slots past p (padding of a shorter prompt, or not yet written) are
     never read; with a sliding `window` only slots p - window < s <= p. Plain jnp in fp32 (softmax statistics), whatever the cache's dtype: a decode step
     is a handful of queries against the cache, memory-bound, where a fused kernel gains little.
+    `sinks` [N] (gpt-oss): a logit per query head added to each softmax's denominator only.
     """
     B, L, N, H = q_BLNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -153,6 +179,10 @@ def attend_cached(q_BLNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, posit
     if window is not None:
         visible_BLS &= jnp.arange(S)[None, None, :] > positions_BL[:, :, None] - window
     scores = jnp.where(visible_BLS[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is not None:  # one more logit per row, its probability dropped (transformers' GptOss)
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     o_BLKGH = jnp.einsum("bkgls,bskh->blkgh", probs, v_BSKH.astype(jnp.float32))
-    return o_BLKGH.reshape(B, L, N, H).astype(q_BLNH.dtype)
+    return o_BLKGH.reshape(B, L, N, v_BSKH.shape[-1]).astype(q_BLNH.dtype)  # v's head size (MLA: not q's)

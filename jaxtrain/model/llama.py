@@ -13,19 +13,25 @@ stacked parameters (used to test that both agree).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import attend, attend_cached, write_cache
+from jaxtrain.model.mla import MLA, yarn_mscale
+from jaxtrain.model.mla import matmul_params as mla_matmul_params
+from jaxtrain.model import mtp
 from jaxtrain.model.moe import MoE, finish_stats
 from jaxtrain.model.projection import project
 from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.experts import swiglu_product
 from jaxtrain.parallel.sharding import Partitioning
 
 # Parameters get logical names as metadata only; shardings are decided by jaxtrain.parallel.sharding.
@@ -53,6 +59,12 @@ class RMSNorm(nnx.Module):
         return (y * scale).astype(x_BLD.dtype)
 
 
+def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
+    """y + b (an fp32 parameter), added in fp32 and cast back to y's dtype: the bias's gradient is
+    then a sum of fp32 values before any cross-device reduction (as `project` keeps weight gradients)."""
+    return (y.astype(jnp.float32) + b).astype(y.dtype)
+
+
 def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
            llama3: tuple[float, float, float, int] | None = None) -> jax.Array:
     """Rotate channel pairs (i, i + H/2) by position-dependent angles (Llama's layout).
@@ -66,9 +78,12 @@ def rotary(x_BLnH: jax.Array, positions_BL: jax.Array, theta: float,
 
 
 def inv_frequencies(H: int, theta: float, llama3: tuple[float, float, float, int] | None = None,
-                    linear: float = 1.0) -> jax.Array:
+                    linear: float = 1.0, yarn: tuple[float, int, float, float, bool] | None = None) -> jax.Array:
     """The rotary frequencies [H/2] of `rotary`; `linear` (rope_scaling=linear) divides them by the
-    factor, as transformers' `_compute_linear_scaling_rope_parameters` (positions / factor)."""
+    factor, as transformers' `_compute_linear_scaling_rope_parameters` (positions / factor);
+    `yarn` (`yarn_parameters`) interpolates them as `yarn_frequencies`."""
+    if yarn is not None:
+        return yarn_frequencies(H, theta, *yarn)
     # 1 / theta^(i/H), spelled as transformers does: bit-identical frequencies (theta^(-i/H) is
     # off by an ulp, which at position 1e5 is 1e-2 rad).
     inv_freq = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
@@ -80,10 +95,76 @@ def inv_frequencies(H: int, theta: float, llama3: tuple[float, float, float, int
     return inv_freq / linear if linear != 1.0 else inv_freq
 
 
-def rotate(x_BLnH: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x with channel pairs (i, i + H/2) rotated by positions * inv_freq [H/2]."""
+def yarn_parameters(cfg: ModelConfig) -> tuple[float, int, float, float, bool] | None:
+    """`inv_frequencies`' `yarn` argument for model.rope_scaling=yarn: (factor, original_max_len,
+    beta_fast, beta_slow, truncate); None for any other rope_scaling."""
+    if cfg.rope_scaling != "yarn":
+        return None
+    return (cfg.rope_scaling_factor, cfg.rope_original_max_len, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow,
+            cfg.rope_yarn_truncate)
+
+
+def yarn_frequencies(H: int, theta: float, factor: float, original_len: int, beta_fast: float, beta_slow: float,
+                     truncate: bool = True) -> jax.Array:
+    """YaRN's rotary frequencies [H/2] (transformers' `_compute_yarn_parameters`, bit for bit).
+
+    Dimensions that turn fewer than beta_slow times over original_len positions are interpolated
+    (frequency / factor), those turning more than beta_fast times are kept, with a linear ramp
+    between (the range rounded out to whole dimensions when `truncate`; gpt-oss: not). Every step
+    is spelled, and grouped, as transformers does: the correction range in Python floats, the
+    rest in fp32; the frequencies depend on the config only, so they are computed when traced.
+    """
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return (H * math.log(original_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, H - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    # The ramp in numpy fp32: XLA turns a division by a constant into a multiplication by its
+    # reciprocal, an ulp away from transformers' division.
+    ramp = np.clip((np.arange(H // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = 1 - ramp  # 1: the frequency as it is (fast dims), 0: interpolated (slow dims)
+    # Op by op, also inside a jit: the traced form is constant-folded by XLA, which rounds
+    # differently. (XLA's pow and torch's vectorised pow round a few values differently for some
+    # theta, e.g. gpt-oss's 150000: those frequencies differ from transformers' by an ulp.)
+    with jax.ensure_compile_time_eval():
+        pos_freqs = theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        return interpolation * (1 - keep) + extrapolation * keep
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (transformers' `attention_factor`): with DeepSeek's
+    rope_yarn_mscale and _mscale_all_dim both set, mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim), else mscale(factor) = 0.1 ln(factor) + 1. 1.0 for any other rope_scaling."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    factor, mscale, mscale_all_dim = cfg.rope_scaling_factor, cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def global_rotary(cfg: ModelConfig, x_BLnH: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    """x rotated as a global layer's Attention rotates q and k: rope_theta, rope_scaling's
+    frequencies and YaRN's attention factor (multi-head latent attention's rope channels)."""
+    llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+              if cfg.rope_scaling == "llama3" else None)
+    linear = cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0
+    inv_freq = inv_frequencies(x_BLnH.shape[-1], cfg.rope_theta, llama3, linear, yarn_parameters(cfg))
+    return rotate(x_BLnH, positions_BL, inv_freq, yarn_attention_factor(cfg))
+
+
+def rotate(x_BLnH: jax.Array, positions_BL: jax.Array, inv_freq: jax.Array, scale: float | jax.Array = 1.0) -> jax.Array:
+    """x with channel pairs (i, i + H/2) rotated by positions * inv_freq [H/2]; cos and sin times
+    `scale` (YaRN's attention factor; 1.0 leaves them, bit for bit, as they are)."""
     angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq
     sin, cos = jnp.sin(angle_BLh)[:, :, None, :], jnp.cos(angle_BLh)[:, :, None, :]
+    if not (isinstance(scale, float) and scale == 1.0):
+        sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x_BLnH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLnH.dtype)
 
@@ -99,6 +180,10 @@ class Attention(nnx.Module):
     is a Python bool (the same in every layer, or a decode step's unrolled layer), or a traced bool
     (the scanned stack with local and global layers: the kernel runs under `lax.cond`, one branch
     each, so only the chosen attention is computed).
+
+    gpt-oss: `model.attention_bias` adds biases `bq` [N, H], `bk`, `bv` [K, H] and `bo` [D] (zeros at
+    init) to the projections; `model.attention_sinks` a learned logit per query head, `sinks` [N]
+    (normal(init_std) at init, as transformers), in every softmax's denominator.
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -108,12 +193,24 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         # Output projection scaled down with depth (GPT-2/Llama practice) to keep residuals stable.
         self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        if cfg.attention_bias:
+            zeros = lambda shape, names: nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names)
+            self.bq = zeros((N, H), ("heads", "head_dim"))
+            self.bk = zeros((K, H), ("kv_heads", "head_dim"))
+            self.bv = zeros((K, H), ("kv_heads", "head_dim"))
+            self.bo = zeros((D,), ("embed",))
+        if cfg.attention_sinks:
+            self.sinks = _param(rngs, (N,), ("heads",), cfg.init_std)
         self.theta, self.implementation = cfg.rope_theta, cfg.attention
         self.llama3 = ((cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                         cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None)
         self.linear = cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0
+        # rope_scaling=yarn: its frequencies, and the attention factor cos and sin are multiplied by
+        self.yarn, self.rope_factor = yarn_parameters(cfg), yarn_attention_factor(cfg)
         self.window = cfg.sliding_window or None
         self.local_theta = cfg.rope_local_theta or cfg.rope_theta
+        # gpt-oss: with yarn and no rope_local_theta of their own, local layers rotate as global ones
+        self.local_rope_is_global = cfg.rope_scaling == "yarn" and not cfg.rope_local_theta
         self.all_local = cfg.sliding_window > 0 and cfg.sliding_window_pattern == 0
         # scores q.k / sqrt(H) in the kernels; q * sqrt(H / s) makes them q.k / sqrt(s)
         s = cfg.query_pre_attn_scalar
@@ -121,6 +218,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, cfg.norm_eps, cfg.norm_plus_one)
             self.k_norm = RMSNorm(H, cfg.norm_eps, cfg.norm_plus_one)
+
+    def _bias(self, name: str, y):
+        """y + the projection's bias (model.attention_bias), else y."""
+        return add_bias(y, getattr(self, name)[...]) if hasattr(self, name) else y
+
+    def _sinks(self):
+        """The sink logits [N] fp32 (model.attention_sinks), else None."""
+        return self.sinks[...] if hasattr(self, "sinks") else None
 
     def _qk_norm(self, q_BLNH, k_BLKH):
         """q and k per-head RMS-normalised (model.qk_norm), else as they are."""
@@ -132,11 +237,14 @@ class Attention(nnx.Module):
         """q and k rotated with the layer's frequencies (local or global), q scaled for
         model.query_pre_attn_scalar."""
         H = q_BLNH.shape[-1]
-        inv_freq = inv_frequencies(H, self.theta, self.llama3, self.linear)
-        if self.window is not None and local is not False:
+        inv_freq = inv_frequencies(H, self.theta, self.llama3, self.linear, self.yarn)
+        scale = self.rope_factor
+        if self.window is not None and local is not False and not self.local_rope_is_global:
             local_freq = inv_frequencies(H, self.local_theta)
             inv_freq = local_freq if local is True else jnp.where(local, local_freq, inv_freq)
-        q_BLNH, k_BLKH = rotate(q_BLNH, positions_BL, inv_freq), rotate(k_BLKH, positions_BL, inv_freq)
+            if scale != 1.0:  # a local layer's own rope has no YaRN factor
+                scale = 1.0 if local is True else jnp.where(local, 1.0, scale)
+        q_BLNH, k_BLKH = rotate(q_BLNH, positions_BL, inv_freq, scale), rotate(k_BLKH, positions_BL, inv_freq, scale)
         if self.q_scale is not None:
             q_BLNH = q_BLNH * jnp.asarray(self.q_scale, q_BLNH.dtype)
         return q_BLNH, k_BLKH
@@ -144,16 +252,18 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, dtype, part: Partitioning, local=None):
         local = self.all_local if local is None else local
         # Each projection's output carries a checkpoint name (see REMAT_POLICIES).
-        q_BLNH = checkpoint_name(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype), "query_proj")
-        k_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wk[...], dtype), "key_proj")
-        v_BLKH = checkpoint_name(project("bld,dkh->blkh", x_BLD, self.wv[...], dtype), "value_proj")
+        q_BLNH = checkpoint_name(self._bias("bq", project("bld,dnh->blnh", x_BLD, self.wq[...], dtype)), "query_proj")
+        k_BLKH = checkpoint_name(self._bias("bk", project("bld,dkh->blkh", x_BLD, self.wk[...], dtype)), "key_proj")
+        v_BLKH = checkpoint_name(self._bias("bv", project("bld,dkh->blkh", x_BLD, self.wv[...], dtype)), "value_proj")
         q_BLNH, k_BLKH = self._rope(*self._qk_norm(q_BLNH, k_BLKH), positions_BL, local)
         q_BLNH = part.constrain(q_BLNH, ("batch", "length", "heads", "head_dim"))
         k_BLKH = part.constrain(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
         v_BLKH = part.constrain(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
 
+        sinks_N = self._sinks()
+
         def run(window, q, k, v, seg):
-            return attend(q, k, v, seg, self.implementation, part, window=window)
+            return attend(q, k, v, seg, self.implementation, part, window=window, sinks=sinks_N)
         if self.window is None or local is False:
             o_BLNH = run(None, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
         elif local is True:
@@ -161,7 +271,7 @@ class Attention(nnx.Module):
         else:  # this layer's flag, traced: one kernel call per branch, only the chosen one runs
             o_BLNH = jax.lax.cond(local, functools.partial(run, self.window), functools.partial(run, None),
                                   q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
-        return checkpoint_name(project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), "out_proj")
+        return checkpoint_name(self._bias("bo", project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype)), "out_proj")
 
     def decode(self, x_BLD, positions_BL, cache: dict, dtype, part: Partitioning,
                local: bool | None = None) -> tuple[jax.Array, dict]:
@@ -170,34 +280,50 @@ class Attention(nnx.Module):
         `cache` = {"k", "v"}: [B, S, K, H], slot s = position s; a local layer (`local`, a Python
         bool here) reads only the slots inside its window. -> (out_BLD, the updated cache)."""
         local = self.all_local if local is None else local
-        q_BLNH, k_BLKH = self._qk_norm(project("bld,dnh->blnh", x_BLD, self.wq[...], dtype),
-                                       project("bld,dkh->blkh", x_BLD, self.wk[...], dtype))
+        q_BLNH, k_BLKH = self._qk_norm(self._bias("bq", project("bld,dnh->blnh", x_BLD, self.wq[...], dtype)),
+                                       self._bias("bk", project("bld,dkh->blkh", x_BLD, self.wk[...], dtype)))
         q_BLNH, k_BLKH = self._rope(q_BLNH, k_BLKH, positions_BL, local)
-        v_BLKH = project("bld,dkh->blkh", x_BLD, self.wv[...], dtype)
+        v_BLKH = self._bias("bv", project("bld,dkh->blkh", x_BLD, self.wv[...], dtype))
         names = ("batch", None, "kv_heads", "head_dim")
         cache = {name: part.constrain(write_cache(cache[name], new, positions_BL[:, 0]), names)
                  for name, new in (("k", k_BLKH), ("v", v_BLKH))}
         q_BLNH = part.constrain(q_BLNH, ("batch", "length", "heads", "head_dim"))
-        o_BLNH = attend_cached(q_BLNH, cache["k"], cache["v"], positions_BL, window=self.window if local else None)
-        return project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype), cache
+        o_BLNH = attend_cached(q_BLNH, cache["k"], cache["v"], positions_BL, window=self.window if local else None,
+                               sinks=self._sinks())
+        return self._bias("bo", project("blnh,nhd->bld", o_BLNH, self.wo[...], dtype)), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with model.mlp_activation=gelu_tanh (Gemma)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with model.mlp_activation=gelu_tanh (Gemma);
+    gpt-oss's clamped SwiGLU with clamped_swiglu (`swiglu_product`). `model.mlp_bias`: biases
+    `b_gate`, `b_up` [F] and `b_down` [D] (zeros at init) on the three projections."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.mlp_dim
         self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_down = _param(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        if cfg.mlp_bias:
+            self.b_gate = nnx.Param(jnp.zeros((F,), jnp.float32), out_sharding=("mlp",))
+            self.b_up = nnx.Param(jnp.zeros((F,), jnp.float32), out_sharding=("mlp",))
+            self.b_down = nnx.Param(jnp.zeros((D,), jnp.float32), out_sharding=("embed",))
         self.activation = cfg.mlp_activation
+        self.clamp = (cfg.swiglu_limit, cfg.swiglu_alpha)
+
+    def _bias(self, name: str, y):
+        return add_bias(y, getattr(self, name)[...]) if hasattr(self, name) else y
 
     def __call__(self, x_BLD, dtype, part: Partitioning):
-        gate_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.w_gate[...], dtype), "mlpwi_0")
-        up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, self.w_up[...], dtype), "mlpwi_1")
-        act = jax.nn.silu if self.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-        h_BLF = part.constrain(act(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return checkpoint_name(project("blf,fd->bld", h_BLF, self.w_down[...], dtype), "mlpwo")
+        gate_BLF = checkpoint_name(self._bias("b_gate", project("bld,df->blf", x_BLD, self.w_gate[...], dtype)),
+                                   "mlpwi_0")
+        up_BLF = checkpoint_name(self._bias("b_up", project("bld,df->blf", x_BLD, self.w_up[...], dtype)), "mlpwi_1")
+        if self.activation == "clamped_swiglu":
+            h_BLF = swiglu_product(gate_BLF, up_BLF, self.clamp)
+        else:
+            act = jax.nn.silu if self.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+            h_BLF = act(gate_BLF) * up_BLF
+        h_BLF = part.constrain(h_BLF, ("batch", "length", "mlp"))
+        return checkpoint_name(self._bias("b_down", project("blf,fd->bld", h_BLF, self.w_down[...], dtype)), "mlpwo")
 
 
 class Block(nnx.Module):
@@ -207,7 +333,11 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
         self.attn_norm = norm()
-        self.attn = Attention(cfg, rngs)
+        if cfg.mla:  # multi-head latent attention (jaxtrain/model/mla.py): llama's norm and rotary handed in
+            self.attn = MLA(cfg, rngs, norm=functools.partial(RMSNorm, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one),
+                            rope=functools.partial(global_rotary, cfg))
+        else:
+            self.attn = Attention(cfg, rngs)
         self.mlp_norm = norm()
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
         if cfg.post_norms:
@@ -307,6 +437,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), head_std)
+        if cfg.mtp_depth:  # last: the rest draws the same initial values with and without MTP
+            self.mtp = mtp.make_mtp(cfg, rngs, Block, RMSNorm)
 
     def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, part: Partitioning = Partitioning()):
         x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL, part)
@@ -327,11 +459,13 @@ class Transformer(nnx.Module):
         return self.hidden_and_stats(tokens_BL, positions_BL, segment_ids_BL, part)[0]
 
     def hidden_and_stats(self, tokens_BL, positions_BL=None, segment_ids_BL=None, part: Partitioning = Partitioning(),
-                         router_bias=None):
+                         router_bias=None, final_norm: bool = True):
         """(`hidden`, the MoE layers' routing statistics stacked [moe layers, ...], or {} when dense).
 
         `router_bias` [moe layers, E]: the train state's `moe.router_bias` (zeros when None).
+        `final_norm=False`: the hidden states before the final norm (what multi-token prediction takes).
         """
+        norm = self.final_norm if final_norm else (lambda x: x)
         cfg, dtype = self.cfg, self.dtype
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
@@ -381,19 +515,27 @@ class Transformer(nnx.Module):
             else:  # mesh.stage > 1: the layers run as pipeline stages
                 x_BLD = pipeline.run(runner(graphdef), nnx.to_pure_dict(layers), logical_axes(layers), x_BLD,
                                      positions_BL, segment_ids_BL, part, remat_policy=remat_policy(cfg.remat))
-            return self.final_norm(x_BLD), {}
+            return norm(x_BLD), {}
 
         # A mixture of experts. The first dense layers run before the MoE units (under a pipeline,
         # outside it: batch-parallel over the stage devices too, their weights gathered over `stage`).
+        def flags(stack: str, n: int):
+            """Each of the stack's layers' local flag [n] (local and global layers mixed), else None."""
+            return (jnp.array([cfg.layer_is_local(layer_index(cfg, stack, i)) for i in range(n)])
+                    if cfg.mixed_windows else None)
+
         if hasattr(self, "dense_blocks"):
             dense_graphdef, dense = nnx.split(self.dense_blocks)
-            x_BLD = runner(dense_graphdef)(x_BLD, positions_BL, segment_ids_BL, dense, part)
+            x_BLD = runner(dense_graphdef)(x_BLD, positions_BL, segment_ids_BL, dense, part, None,
+                                           flags("dense_blocks", cfg.first_dense_layers))
         if router_bias is None:
             router_bias = jnp.zeros((cfg.num_moe_layers, cfg.num_experts), jnp.float32)
         # The stacked unit (one per MoE layer, what the scan or the pipeline stages run): the MoE
         # layer, with moe_every > 1 after its group's moe_every - 1 dense layers.
         run_moe = runner(graphdef)
         units, names = {"moe": layers, "bias": router_bias}, {"moe": logical_axes(layers), "bias": ("layers", None)}
+        if cfg.mixed_windows:  # each unit's layers' local flags (refused under a pipeline)
+            units["local"], names["local"] = flags("blocks", cfg.num_moe_layers), ("layers",)
         if hasattr(self, "interleaved_dense_blocks"):
             dense_graphdef, dense = nnx.split(self.interleaved_dense_blocks)
             # [groups * (k - 1), ...] -> [groups, k - 1, ...]: one group's dense layers per unit.
@@ -401,16 +543,23 @@ class Transformer(nnx.Module):
             names["dense"] = jax.tree_util.tree_map(lambda n: ("layers", None, *n[1:]), logical_axes(dense),
                                                     is_leaf=lambda n: isinstance(n, tuple))
             run_dense = runner(dense_graphdef)
+            if cfg.mixed_windows:
+                units["dense_local"] = flags("interleaved_dense_blocks", cfg.num_moe_layers * (cfg.moe_every - 1)
+                                             ).reshape(cfg.num_moe_layers, -1)
+                names["dense_local"] = ("layers", None)
 
         def run_units(x_BLD, positions_BL, segment_ids_BL, units, part):
             """The stacked units in order -> (x, routing sums stacked per MoE layer)."""
             if "dense" not in units:
-                return run_moe(x_BLD, positions_BL, segment_ids_BL, units["moe"], part, units["bias"])
+                return run_moe(x_BLD, positions_BL, segment_ids_BL, units["moe"], part, units["bias"],
+                               units.get("local"))
 
             def group(x_BLD, unit):
-                x_BLD = run_dense(x_BLD, positions_BL, segment_ids_BL, unit["dense"], part)
-                one = jax.tree_util.tree_map(lambda a: a[None], (unit["moe"], unit["bias"]))  # a stack of one
-                x_BLD, s = run_moe(x_BLD, positions_BL, segment_ids_BL, one[0], part, one[1])
+                x_BLD = run_dense(x_BLD, positions_BL, segment_ids_BL, unit["dense"], part, None,
+                                  unit.get("dense_local"))
+                # a stack of one
+                one = jax.tree_util.tree_map(lambda a: a[None], (unit["moe"], unit["bias"], unit.get("local")))
+                x_BLD, s = run_moe(x_BLD, positions_BL, segment_ids_BL, one[0], part, one[1], one[2])
                 return x_BLD, jax.tree_util.tree_map(lambda a: a[0], s)
             return in_order(group, x_BLD, units)
 
@@ -420,7 +569,14 @@ class Transformer(nnx.Module):
             pure = {k: v if k == "bias" else nnx.to_pure_dict(v) for k, v in units.items()}
             x_BLD, stats = pipeline.run(run_units, pure, names, x_BLD, positions_BL, segment_ids_BL, part,
                                         remat_policy=remat_policy(cfg.remat), with_stats=True)
-        return self.final_norm(x_BLD), finish_stats(stats)
+        return norm(x_BLD), finish_stats(stats)
+
+    def mtp_hidden(self, h_BLD, tokens_by_depth, positions_BL, segment_ids_BL,
+                   part: Partitioning = Partitioning()) -> list:
+        """Multi-token prediction (model.mtp_depth; jaxtrain/model/mtp.py): from the decoder's output
+        before the final norm (`hidden_and_stats(..., final_norm=False)`) and the tokens each module
+        embeds (token t + d for module d), each module's hidden states after the final norm [B, L, D]."""
+        return mtp.mtp_hidden(self, h_BLD, tokens_by_depth, positions_BL, segment_ids_BL, part)
 
 
     def _embed(self, tokens_BL, part: Partitioning) -> jax.Array:
@@ -451,7 +607,9 @@ class Transformer(nnx.Module):
         slicing a stacked cache (and stacked weights) would copy them at every token."""
         cfg, dtype = self.cfg, dtype or self.dtype
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return {name: [{kv: jnp.zeros(shape, dtype) for kv in ("k", "v")} for _ in range(n)]
+        # MLA caches each head's expanded keys [.., N, Hn + Hr] and values [.., N, v_head_dim]
+        shapes = {"k": shape, "v": (*shape[:3], cfg.v_head_dim) if cfg.mla else shape}
+        return {name: [{kv: jnp.zeros(shapes[kv], dtype) for kv in ("k", "v")} for _ in range(n)]
                 for name, n in self.cache_stacks().items()}
 
     def layer_params(self) -> dict[str, list]:
@@ -481,9 +639,8 @@ class Transformer(nnx.Module):
 
         def run(name: str, i: int, x_BLD, bias_E=None):
             block = nnx.merge(graphdefs[name], layers[name][i])
-            # Dense stacks: i is the layer's index, which says whether it is local (mixed windows
-            # are dense only); MoE stacks: None, the same window in every layer.
-            local = cfg.layer_is_local(i) if cfg.mixed_windows else None
+            # Local and global layers mixed: the layer's own flag (by its index in the model).
+            local = cfg.layer_is_local(layer_index(cfg, name, i)) if cfg.mixed_windows else None
             x_BLD, cache[name][i] = block.decode(x_BLD, positions_BL, cache[name][i], dtype, part, bias_E, local)
             return x_BLD
 
@@ -501,6 +658,17 @@ class Transformer(nnx.Module):
                 x_BLD = run("interleaved_dense_blocks", i, x_BLD)
             x_BLD = run("blocks", u, x_BLD, router_bias[u])
         return self.final_norm(x_BLD), cache
+
+
+def layer_index(cfg: ModelConfig, stack: str, i: int) -> int:
+    """The model's layer index of layer i of `stack` (`Transformer.cache_stacks`): the first dense
+    layers, then groups of moe_every - 1 interleaved dense layers and one MoE layer."""
+    f, m = cfg.first_dense_layers if cfg.num_experts > 0 else 0, cfg.moe_every
+    if stack == "dense_blocks" or (stack == "blocks" and cfg.num_experts == 0):
+        return i
+    if stack == "interleaved_dense_blocks":
+        return f + (i // (m - 1)) * m + i % (m - 1)
+    return f + i * m + m - 1  # the MoE layers
 
 
 def logical_axes(params_state: nnx.State) -> dict:
@@ -583,7 +751,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     experts of each MoE layer (what a token's FLOPs count), not every expert's weights.
     """
     D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    attention = D * H * (2 * N + 2 * K)
+    attention = mla_matmul_params(cfg) if cfg.mla else D * H * (2 * N + 2 * K)
     if cfg.num_experts <= 0:
         return cfg.num_layers * (attention + 3 * D * F) + D * cfg.vocab_size
     Fe = cfg.moe_mlp_dim or F

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain.config import Config
+from jaxtrain.model import mtp
 from jaxtrain.model.loss import fused_loss
 from jaxtrain.numerics import all_finite  # the step skips a non-finite update (tests import it from here too)
 from jaxtrain.parallel import context, pipeline
@@ -62,7 +63,8 @@ def loss_sum(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 
 
 
 def loss_terms(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float = 0.0,
-               part: Partitioning = Partitioning(), grad_scale: jax.Array | float = 1.0, router_bias: Any = None
+               part: Partitioning = Partitioning(), grad_scale: jax.Array | float = 1.0, router_bias: Any = None,
+               mtp_scales: jax.Array | None = None
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array, dict]]:
     """(objective sum, (cross-entropy sum, z-loss sum, counted tokens)) for one (micro)batch.
 
@@ -72,10 +74,17 @@ def loss_terms(params: Any, graphdef: nnx.GraphDef, batch: Batch, z_loss: float 
     logits and their gradient are never materialised. `grad_scale`: the cotangent the caller will
     multiply the objective by (loss scale / token count), applied inside the loss before its
     softmax gradient is rounded to the compute dtype (see `fused_loss`); it changes no value.
+    `mtp_scales` [mtp_depth] (multi-token prediction; `batch` a `mtp.shifted_batch`): the stats gain
+    `mtp_objective` (already scaled: see `mtp.mtp_loss_terms`) and `mtp_ce` (sums per depth).
     """
     model = nnx.merge(graphdef, params)
+    with_mtp = mtp_scales is not None
     x_BLD, moe_stats = model.hidden_and_stats(batch["tokens"], batch["positions"], batch["segment_ids"], part,
-                                              router_bias)
+                                              router_bias, final_norm=not with_mtp)
+    if with_mtp:  # the modules start from the decoder's output before the final norm
+        h_BLD, x_BLD = x_BLD, model.final_norm(x_BLD)
+        objective_mtp, ce_mtp = mtp.mtp_loss_terms(model, h_BLD, batch, mtp_scales, model.cfg.mtp_loss_weight, part)
+        moe_stats = {**moe_stats, "mtp_objective": objective_mtp, "mtp_ce": ce_mtp}
     mask = batch["loss_mask"].astype(jnp.float32)
     objective, ce, z = fused_loss(x_BLD, model.head_weight(), batch["targets"], mask, z_loss, part=part,
                                   grad_scale=grad_scale)
@@ -154,19 +163,26 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
     accum = pipeline.accumulation_steps(cfg.train.grad_accum, part.schedule)
 
     moe = cfg.model.num_experts > 0
+    depth = cfg.model.mtp_depth
 
-    def scaled_loss(params, batch, grad_scale, inject, moe_scale, router_bias):
-        objective, (ce, z, n, stats) = loss_terms(params, graphdef, batch, z_loss, part, grad_scale, router_bias)
+    def scaled_loss(params, batch, grad_scale, inject, moe_scale, router_bias, mtp_scales):
+        objective, (ce, z, n, stats) = loss_terms(params, graphdef, batch, z_loss, part, grad_scale, router_bias,
+                                                  mtp_scales)
         # What is differentiated: the mean loss times the loss scale (fp16; grad_scale = scale / the
         # global count of counted tokens), times the chaos drill's factor. MoE losses are means
         # already: each microbatch adds its own times scale / microbatches (their mean over them).
+        # Multi-token prediction's comes scaled by scale x weight / (depth x its global counts).
         total = objective * grad_scale
+        kept = {}
+        if depth:
+            total = total + stats["mtp_objective"]
+            kept["mtp_ce"] = stats["mtp_ce"]
         if moe:
             balance, router_z = moe_losses(cfg, stats)
             total = total + (balance + router_z) * moe_scale
-            stats = {"moe_aux_loss": balance, "router_z_loss": router_z, "load": stats["load"],
-                     "dropped": jnp.sum(stats["dropped"]), "assigned": jnp.sum(stats["assigned"])}
-        return total * inject, (ce, z, n, stats)
+            kept.update({"moe_aux_loss": balance, "router_z_loss": router_z, "load": stats["load"],
+                         "dropped": jnp.sum(stats["dropped"]), "assigned": jnp.sum(stats["assigned"])})
+        return total * inject, (ce, z, n, kept if (moe or depth) else stats)
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -175,6 +191,9 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         inject = chaos if drills else jnp.float32(1.0)  # chaos.nan_at_steps / spike_at_steps; 1 otherwise
         # Context parallelism's zig-zag order (jaxtrain.parallel.context): each device's chunks, once per
         # batch; tokens, targets, positions, segment ids and mask move together, and the loss is a sum.
+        mtp_scales = None
+        if depth:  # shifted from the batch in sequence order, then permuted and split with it
+            batch = mtp.shifted_batch(batch, depth)
         batch = context.permute_batch(batch, part.context)
         # Without fp16 the scale is 1 (precision.init_loss_scale): a constant here, so that no
         # `g / 1` pass copies each (vocab-sized) gradient into a second buffer.
@@ -186,11 +205,15 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
         grad_scale = scale / denom
         moe_scale = scale / accum
         router_bias = state["moe"]["router_bias"] if moe else None
+        if depth:
+            mtp_counts = mtp.mtp_counts(batch, depth)
+            mtp_scales = scale * cfg.model.mtp_loss_weight / (depth * jnp.maximum(mtp_counts, 1.0))
         if accum == 1:
-            (_, (ce, z, tokens, moe_stats)), grads = grad_fn(params, batch, grad_scale, inject, moe_scale, router_bias)
+            (_, (ce, z, tokens, moe_stats)), grads = grad_fn(params, batch, grad_scale, inject, moe_scale, router_bias,
+                                                             mtp_scales)
         else:
             def micro(carry, mb):
-                (_, (c, zz, n, st)), g = grad_fn(params, mb, grad_scale, inject, moe_scale, router_bias)
+                (_, (c, zz, n, st)), g = grad_fn(params, mb, grad_scale, inject, moe_scale, router_bias, mtp_scales)
                 ce_acc, z_acc, tok_acc, st_acc, grad_acc = carry
                 return (ce_acc + c, z_acc + zz, tok_acc + n, jax.tree_util.tree_map(jnp.add, st_acc, st),
                         jax.tree_util.tree_map(jnp.add, grad_acc, g)), None
@@ -200,6 +223,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
             if moe:
                 stats0 = {k: jnp.float32(0) for k in ("moe_aux_loss", "router_z_loss", "dropped", "assigned")}
                 stats0["load"] = jnp.zeros(router_bias.shape, jnp.float32)
+            if depth:
+                stats0["mtp_ce"] = jnp.zeros((depth,), jnp.float32)
             (ce, z, tokens, moe_stats, grads), _ = jax.lax.scan(
                 micro, (jnp.float32(0), jnp.float32(0), jnp.float32(0), stats0, zeros),
                 split_microbatches(batch, accum, part))
@@ -245,6 +270,8 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef, optimizer: optax.Gradie
                            "router_z_loss": moe_stats["router_z_loss"] / accum,
                            "moe_max_load": jnp.max(load / jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)),
                            "moe_dropped_fraction": moe_stats["dropped"] / jnp.maximum(moe_stats["assigned"], 1.0)}
+        if depth:  # the mean over the modules of each one's mean cross-entropy
+            moe_metrics["mtp_loss"] = jnp.mean(moe_stats["mtp_ce"] / jnp.maximum(mtp_counts, 1.0))
         # The rate this update used (the optimizer's count, which skipped steps do not advance).
         learning_rate = applied_learning_rate(schedule, state["opt_state"])
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,

@@ -31,6 +31,11 @@ GEMMA3 = ["model.num_layers=3", "model.sliding_window=4", "model.sliding_window_
           "model.norm_plus_one=true", "model.embed_scale=true", "model.mlp_activation=gelu_tanh",
           "model.query_pre_attn_scalar=12", "model.rope_local_theta=500", "model.rope_scaling=linear",
           "model.rope_scaling_factor=2", *QK_NORM]
+# DeepSeek's multi-head latent attention: q and kv latents (replicated), Hv 6 != Hqk 8, YaRN with
+# mscale != mscale_all_dim (both its factors != 1).
+MLA = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_head_dim=4", "model.qk_rope_head_dim=4",
+       "model.v_head_dim=6", "model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_original_max_len=8",
+       "model.rope_yarn_mscale=0.5", "model.rope_yarn_mscale_all_dim=1"]
 
 LAYOUTS = {
     "data8": ["mesh.data=8"],
@@ -41,6 +46,8 @@ LAYOUTS = {
     "fsdp8_qknorm": ["mesh.data=1", "mesh.fsdp=8", *QK_NORM],
     "data2_tensor4_gqa_gemma3": ["mesh.data=2", "mesh.tensor=4", *GQA, *GEMMA3],
     "fsdp8_gemma3": ["mesh.data=1", "mesh.fsdp=8", *GEMMA3],
+    "data2_fsdp2_tensor2_mla": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *MLA],
+    "data2_tensor4_mla": ["mesh.data=2", "mesh.tensor=4", *MLA],
 }
 
 
