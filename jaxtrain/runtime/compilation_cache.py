@@ -13,6 +13,7 @@ every attempt before it is ever cached.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -104,6 +105,11 @@ def enable_compilation_cache(directory: Optional[str], run_dir: Optional[str] = 
     in_run_dir = asked == AUTO and run_dir is not None and directory != PER_HOST_DIR
     run_dir = None if run_dir is None else (os.path.abspath(os.path.expanduser(run_dir)) if is_local(run_dir)
                                             else run_dir)
+    if directory and not cache_is_safe_here():
+        if jax.process_index() == 0:
+            _log.warning(f"compilation cache off: jax {jax.__version__} hangs running collectives loaded from the "
+                         "persistent cache on CPU across processes; restarts recompile")
+        directory = None
     if not directory:
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()
@@ -128,6 +134,28 @@ def enable_compilation_cache(directory: Optional[str], run_dir: Optional[str] = 
         _hold_writes_until(path, run_dir)
     _record_compile_times(path, run_dir if in_run_dir else None)
     return path
+
+
+# From this JAX version on, a multi-process CPU job hangs in its first cross-process collective
+# (a shard_map psum over gloo) when that program was loaded from the persistent cache: reproduced
+# with jax 0.12.1 (two processes, two CPU devices each, the second run of the same program);
+# 0.12.0 runs it. Re-check before lifting. GPU and TPU jobs keep the cache.
+CPU_MULTIPROCESS_CACHE_HANGS_FROM = (0, 12, 1)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def cache_is_safe_here() -> bool:
+    """False for a multi-process job on CPU under a JAX that hangs on cached collectives there."""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return True
+    return _version_tuple(jax.__version__) < CPU_MULTIPROCESS_CACHE_HANGS_FROM
 
 
 class _HeldCache:

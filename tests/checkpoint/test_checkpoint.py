@@ -313,6 +313,14 @@ def test_paths_and_urls_pass_through():
     assert os.path.isabs(str(storage_paths.to_path("rel/dir")))
 
 
+def test_the_cpu_multiprocess_cache_guard_reads_versions():
+    """The cache stays on for one process; the guard's version parse orders releases as JAX numbers them."""
+    assert compilation_cache.cache_is_safe_here()  # one process here
+    guard = compilation_cache.CPU_MULTIPROCESS_CACHE_HANGS_FROM
+    assert compilation_cache._version_tuple("0.12.0.1") < guard <= compilation_cache._version_tuple("0.12.1")
+    assert compilation_cache._version_tuple("0.13.0rc1") == (0, 13, 0) >= guard
+
+
 def test_compilation_cache_stores_small_programs(tmp_path):
     old = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                                                "jax_persistent_cache_min_entry_size_bytes")}
