@@ -752,10 +752,12 @@ def matmul_params(cfg: ModelConfig) -> int:
     """
     D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     attention = mla_matmul_params(cfg) if cfg.mla else D * H * (2 * N + 2 * K)
+    # Each multi-token-prediction module: eh_proj [2D, D], a dense layer and the shared head again.
+    mtp = cfg.mtp_depth * (2 * D * D + attention + 3 * D * F + D * cfg.vocab_size)
     if cfg.num_experts <= 0:
-        return cfg.num_layers * (attention + 3 * D * F) + D * cfg.vocab_size
+        return cfg.num_layers * (attention + 3 * D * F) + D * cfg.vocab_size + mtp
     Fe = cfg.moe_mlp_dim or F
     moe = cfg.num_moe_layers
     moe_mlp = D * cfg.num_experts + 3 * D * Fe * (cfg.experts_per_token + cfg.num_shared_experts)
     return ((cfg.num_layers - moe) * (attention + 3 * D * F) + moe * (attention + moe_mlp)
-            + D * cfg.vocab_size)
+            + D * cfg.vocab_size + mtp)

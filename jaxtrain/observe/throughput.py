@@ -50,9 +50,12 @@ def flops_per_step(cfg: Config) -> float:
     """
     m, d = cfg.model, cfg.data
     tokens = d.global_batch_size * d.seq_len
-    attn = sum(attention_flops(d.global_batch_size, d.seq_len, m.num_heads, m.head_dim, causal=True,
+    # QK^T runs over the q/k head size, PV over the value's (MLA: v_head_dim): their mean counts both.
+    head_dim = (m.head_dim + m.v_head_dim) / 2 if m.mla else m.head_dim
+    attn = sum(attention_flops(d.global_batch_size, d.seq_len, m.num_heads, head_dim, causal=True,
                                window=m.sliding_window if m.layer_is_local(i) else None)
                for i in range(m.num_layers))
+    attn += m.mtp_depth * attention_flops(d.global_batch_size, d.seq_len, m.num_heads, head_dim, causal=True)
     return 6.0 * matmul_params(m) * tokens + 3.0 * attn
 
 

@@ -47,6 +47,16 @@ def test_flops_per_step_matches_hand_count():
     windowed = cfg.with_overrides("model.sliding_window=4", "model.sliding_window_pattern=2")
     local_fwd = 4 * 3 * 2 * 4 * (10 * 4 - 4 * 4 / 2)
     assert flops_per_step(windowed) == 6 * matmul * 30 + 3 * (local_fwd + attention_fwd)
+    # Multi-head latent attention (q latent 3, kv latent 5, rope 2 + nope 2 = head_dim 4, values 6) and one
+    # multi-token-prediction module (eh_proj [16, 8], a dense layer, the head again).
+    mla = cfg.with_overrides("model.num_kv_heads=2", "model.kv_lora_rank=5", "model.q_lora_rank=3",
+                             "model.qk_rope_head_dim=2", "model.qk_nope_head_dim=2", "model.v_head_dim=6",
+                             "model.mtp_depth=1")
+    attention = 8 * 3 + 3 * 2 * 4 + 8 * (5 + 2) + 5 * 2 * (2 + 6) + 2 * 6 * 8  # q_a, q_b, kv_a, kv_b, o
+    layer = attention + 3 * 8 * 16
+    matmul = 2 * layer + 8 * 100 + (16 * 8 + layer + 8 * 100)
+    mla_fwd = 2 * 3 * 10 * 10 * 2 * 4 / 2 + 2 * 3 * 10 * 10 * 2 * 6 / 2  # QK^T over 4 channels, PV over 6
+    assert flops_per_step(mla) == 6 * matmul * 30 + 3 * 3 * mla_fwd
 
 
 HLO = """
