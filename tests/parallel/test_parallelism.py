@@ -36,6 +36,13 @@ GEMMA3 = ["model.num_layers=3", "model.sliding_window=4", "model.sliding_window_
 MLA = ["model.kv_lora_rank=16", "model.q_lora_rank=12", "model.qk_nope_head_dim=4", "model.qk_rope_head_dim=4",
        "model.v_head_dim=6", "model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_original_max_len=8",
        "model.rope_yarn_mscale=0.5", "model.rope_yarn_mscale_all_dim=1"]
+# The DeepSeek-V3 family whole: MLA, a dense first layer, then MoE layers with sigmoid group-limited
+# routing (4 groups of 2 experts, 2 groups kept), routed scaling, a shared expert, the aux-loss-free
+# bias moving, and one multi-token-prediction module.
+DEEPSEEK = [*MLA, "model.num_layers=3", "model.first_dense_layers=1", "model.num_experts=8",
+            "model.experts_per_token=2", "model.moe_mlp_dim=16", "model.moe_router=sigmoid", "model.moe_n_group=4",
+            "model.moe_topk_group=2", "model.moe_routed_scaling_factor=2.5", "model.num_shared_experts=1",
+            "model.router_bias_update_rate=0.01", "model.mtp_depth=1"]
 
 LAYOUTS = {
     "data8": ["mesh.data=8"],
@@ -48,6 +55,8 @@ LAYOUTS = {
     "fsdp8_gemma3": ["mesh.data=1", "mesh.fsdp=8", *GEMMA3],
     "data2_fsdp2_tensor2_mla": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *MLA],
     "data2_tensor4_mla": ["mesh.data=2", "mesh.tensor=4", *MLA],
+    "data2_expert4_deepseek": ["mesh.data=2", "mesh.expert=4", *DEEPSEEK],
+    "data2_fsdp2_tensor2_deepseek": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *DEEPSEEK],
 }
 
 
