@@ -214,6 +214,7 @@ def inspect_report(cfg: Config, devices: list[jax.Device] | None = None) -> dict
             "shape": list(x.shape), "logical": list(names), "spec": str(logical_to_spec(names, layout.rules)),
             "bytes_per_device": math.prod(shard) * x.dtype.itemsize}
     report["parameters"] = params
+    report["active_params"] = active_params(cfg, layout.num_params, params)
     total = sum(report["collectives"].values())
     theory = collective_theory(params, sizes, layout.rules)
     report["collective_bytes_total"] = total
@@ -302,6 +303,16 @@ def report_notes(cfg: Config, report: dict, platform: str) -> list[str]:
     return notes
 
 
+def active_params(cfg: Config, total: int, parameters: dict) -> int:
+    """Parameters one token uses: all but the routed experts it is not sent to (of each parameter
+    stacked over `experts`, the fraction experts_per_token / num_experts is active)."""
+    m = cfg.model
+    if m.num_experts <= 0:
+        return total
+    expert_weights = sum(math.prod(p["shape"]) for p in parameters.values() if "experts" in p["logical"])
+    return total - round(expert_weights * (1 - m.experts_per_token / m.num_experts))
+
+
 def moe_report(cfg: Config, mesh_sizes: dict[str, int], parameters: dict, all_to_all_bytes: float) -> dict:
     """Mixture of experts: the dispatch, expert weights per device, all-to-all bytes vs theory.
 
@@ -368,7 +379,9 @@ def format_report(report: dict, per_parameter: bool = False) -> str:
              f"attention: {report['attention']}",
              describe_crossings(report["mesh_crossings"]),
              _pipeline_line(report["pipeline"]),
-             f"parameters: {report['params']:,}",
+             f"parameters: {report['params']:,}" + (f" ({report['active_params']:,} active per token)"
+                                                     if report.get("active_params", report["params"]) != report["params"]
+                                                     else ""),
              f"model FLOPs per step: {report['flops_per_step']:.4g}   compile: {report['compile_s']:.1f} s"]
     if report.get("xla_flops_per_device") is not None:
         per_device = report.get("flops_per_step_per_device", report["flops_per_step"] / report["devices"])

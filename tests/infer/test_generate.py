@@ -29,6 +29,7 @@ from test_hf import LLAMA3, jax_params, make_hf  # noqa: E402
 from test_mixtral import make_mixtral  # noqa: E402
 from test_gemma3 import VARIANTS as GEMMA3, make_gemma3  # noqa: E402
 from test_qwen3 import make_qwen3  # noqa: E402
+from test_gpt_oss import VARIANTS as GPT_OSS, make_gpt_oss  # noqa: E402
 
 # Prompts of different lengths in one batch (one past a prompt bucket of 16, one of a single token).
 PROMPTS = [[5, 17, 3, 60, 2, 9, 41], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 30],
@@ -54,7 +55,7 @@ def imported(src: Path, tmp_path: Path) -> Generator:
 
 
 @pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "head-dim-16", "mixtral", "qwen3",
-                                     "qwen3-moe", "gemma3"])
+                                     "qwen3-moe", "gemma3", "gpt-oss"])
 def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
     src = tmp_path / "src"
     if variant == "mixtral":
@@ -65,6 +66,8 @@ def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
         make_qwen3(src, {"norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 4})
     elif variant == "gemma3":  # local layers' windows over the cache (prompts and continuations past them)
         make_gemma3(src, GEMMA3["untied-pattern3-linear"][0])
+    elif variant == "gpt-oss":  # sinks and biases over the cache, windows of 4, YaRN, clamped SwiGLU experts
+        make_gpt_oss(src, GPT_OSS["untied-biased-yarn"])
     else:
         make_hf(src, tied=variant == "tied", rope=LLAMA3 if variant == "llama3-rope" else None,
                 head_dim=16 if variant == "head-dim-16" else None)
