@@ -132,12 +132,24 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay, and gradient clipping (jaxtrain/train/optim.py)."""
+    """The optimizer (AdamW by default), its learning-rate schedule, weight decay and gradient clipping
+    (jaxtrain/train/optim.py, jaxtrain/train/schedules.py, docs/optim.md)."""
 
+    # adamw (default); muon (orthogonalised momentum on the weight matrices, AdamW for the rest);
+    # adafactor; lion; sgd (with momentum); schedule_free (schedule-free AdamW).
+    name: Literal["adamw", "muon", "adafactor", "lion", "sgd", "schedule_free"] = "adamw"
     learning_rate: float = 3e-4  # peak learning rate after warmup
     warmup_steps: int = 100  # linear warmup from 0 to learning_rate
-    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio at train.steps
-    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms)
+    # After the warmup: cosine or linear decay to learning_rate * min_lr_ratio at the schedule's end,
+    # constant, or wsd (warmup-stable-decay: constant, then a decay over the last wsd_decay_steps).
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.1  # the decay ends at learning_rate * min_lr_ratio
+    wsd_decay_steps: int = 0  # wsd: length of the final decay in steps (0 = a fifth of the schedule)
+    wsd_decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"  # wsd: the decay's shape (sqrt: 1 - sqrt)
+    weight_decay: float = 0.1  # decoupled weight decay, on the parameters weight_decay_mask names
+    # Which parameters decay: all_but_norms (every parameter but norm scales; embeddings included),
+    # matrices (parameters with 2 or more dims per layer: no norms, biases or sinks), none.
+    weight_decay_mask: Literal["all_but_norms", "matrices", "none"] = "all_but_norms"
     b1: float = 0.9  # Adam's decay rate for the gradient mean (first moment)
     b2: float = 0.95  # Adam's decay rate for the squared gradients (second moment)
     eps: float = 1e-8  # added to Adam's denominator, for numerical stability
