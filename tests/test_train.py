@@ -19,6 +19,8 @@ MOE_TINY = REPO / "configs/moe-tiny.yaml"
 QWEN3_TINY = REPO / "configs/qwen3-tiny.yaml"  # QK-norm, tied embeddings
 QWEN3_MOE_TINY = REPO / "configs/qwen3-moe-tiny.yaml"  # QK-norm, tied, 8 experts top-2 renormalised
 GEMMA3_TINY = REPO / "configs/gemma3-tiny.yaml"  # local and global layers, (1 + w) pre/post norms, GeGLU
+GPT_OSS_TINY = REPO / "configs/gpt-oss-tiny.yaml"  # sinks, biases, clamped SwiGLU experts, local/global, YaRN
+DEEPSEEK_V3_TINY = REPO / "configs/deepseek-v3-tiny.yaml"  # MLA, grouped sigmoid routing, shared expert, dense first, MTP
 
 
 def jaxtrain(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -68,8 +70,10 @@ def test_loop_makes_no_implicit_transfers_and_compiles_once(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [TINY, MOE_TINY, QWEN3_TINY, QWEN3_MOE_TINY, GEMMA3_TINY],
-                         ids=["tiny", "moe-tiny", "qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("config", [TINY, MOE_TINY, QWEN3_TINY, QWEN3_MOE_TINY, GEMMA3_TINY, GPT_OSS_TINY,
+                                    DEEPSEEK_V3_TINY],
+                         ids=["tiny", "moe-tiny", "qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gpt-oss-tiny",
+                              "deepseek-v3-tiny"])
 def test_tiny_config_reaches_the_entropy_floor(tmp_path, config):
     out = tmp_path / "tiny"
     r = jaxtrain("train", "--config", str(config), f"run.output_dir={out}", "--cpu-devices", "1", cwd=tmp_path)

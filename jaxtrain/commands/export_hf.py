@@ -35,5 +35,7 @@ def main(argv: list[str]) -> int:
     missing = f" (the run's tokenizer '{gone}' is not there any more)" if gone else ""
     eos = "no eos id" if s["eos_token_id"] is None else f"eos id {s['eos_token_id']}"
     print(f"export-hf: step {s['step']} as {s['dtype']} into {s['output']} ({len(s['files'])} file(s)); "
-          f"tokenizer: {', '.join(s['tokenizer']) or 'no files'}{missing}; {eos}")
+          f"tokenizer: {', '.join(s['tokenizer']) or 'no files'}{missing}; {eos}"
+          + (f"; dropped the {', '.join(s['dropped'])} parameters (multi-token prediction: the Hugging Face "
+             "model has no such module)" if s.get("dropped") else ""))
     return 0

@@ -26,5 +26,7 @@ def main(argv: list[str]) -> int:
     s = import_hf(args.source, args.output)
     print(f"import-hf: {s['num_params']:,} parameters ({s['source_dtype']} -> fp32) from {len(s['files'])} "
           f"safetensors file(s) into {s['output']}; copied {', '.join(s['tokenizer']) or 'no tokenizer files'}. "
-          f"Start a run with: jaxtrain train --config {s['output']}/config.yaml run.output_dir=...")
+          f"Start a run with: jaxtrain train --config {s['output']}/config.yaml run.output_dir=..."
+          + (f" Skipped {len(s['ignored'])} tensor(s) transformers does not run (multi-token prediction layers, "
+             f"e.g. {s['ignored'][0]})." if s.get("ignored") else ""))
     return 0

@@ -18,7 +18,8 @@ import numpy as np
 from jaxtrain.storage import small_files
 from jaxtrain.storage.paths import is_remote, join
 from jaxtrain.config import ConfigError
-from jaxtrain.checkpoint.trained_run import find_up, load_run_config, resolve_run, restore_params, run_tokenizer
+from jaxtrain.checkpoint.trained_run import (find_up, load_run_config, resolve_run, restore_params, restore_router_bias,
+                                             run_tokenizer)
 from jaxtrain.hf.files import (DTYPES, HF_CONFIG, copy_tokenizer, finish, fresh_output, parse_size, refuse_url,
                                write_generation_config, write_safetensors, write_tokenizer, writing)
 from jaxtrain.hf.mapping import HF_DTYPE_NAMES, hf_config_from_model, hf_tensors_from_params
@@ -49,7 +50,8 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
       max_shard_size: above this many bytes the weights are split into shards with an index.
     Returns:
       Summary: output, step, dtype, files, tokenizer (files copied or written), eos_token_id (or
-      None), missing_tokenizer (the path of a tokenizer the run used that is no longer there, or None).
+      None), missing_tokenizer (the path of a tokenizer the run used that is no longer there, or None),
+      dropped (parameter trees the family has no tensors for: `mtp`, multi-token prediction).
     Raises:
       ConfigError: no config.yaml or usable checkpoint, a config that does not match the
         checkpoint, an fp16 overflow, an existing or remote output, or a bucket that cannot be
@@ -69,8 +71,11 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
         dtype = names.get(source.get("dtype") or source.get("torch_dtype"), "fp32")
     out, tmp = fresh_output(output)
     params, step = restore_params(run, cfg, step)
+    # DeepSeek-V3's e_score_correction_bias is the train state's routing bias (zeros if never saved).
+    router_bias = restore_router_bias(run, cfg, step) if cfg.model.mla and cfg.model.num_experts else None
+    dropped = [k for k in ("mtp",) if k in params]  # transformers runs no MTP module: not written
     tensors = []
-    for name, t in hf_tensors_from_params(params, cfg.model):
+    for name, t in hf_tensors_from_params(params, cfg.model, router_bias):
         cast = t.astype(DTYPES[dtype])  # round to nearest even, as torch's .to(bfloat16)
         if dtype == "fp16" and not np.isfinite(cast).all():
             raise ConfigError(f"tensor '{name}' overflows fp16 (largest |value| {np.abs(t).max():.4g}); "
@@ -110,4 +115,4 @@ def export_hf(run_dir: str, output: str, *, step: Optional[int] = None, dtype: O
             copied.append(write_generation_config(ids, tmp))
         finish(tmp, out)
     return {"output": os.fspath(out), "step": step, "dtype": dtype, "files": files, "tokenizer": copied,
-            "eos_token_id": hf_config.get("eos_token_id"), "missing_tokenizer": missing}
+            "eos_token_id": hf_config.get("eos_token_id"), "missing_tokenizer": missing, "dropped": dropped}

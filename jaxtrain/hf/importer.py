@@ -14,7 +14,7 @@ import yaml
 from jaxtrain.config import Config, ConfigError, from_dict
 from jaxtrain.hf.files import (HF_CONFIG, SafetensorsReader, check_tensors, copy_tokenizer, finish, fresh_output,
                                read_hf_config, refuse_url, writing)
-from jaxtrain.hf.mapping import model_section_from_hf, param_plan, params_from_hf
+from jaxtrain.hf.mapping import ignored_tensors, model_section_from_hf, param_plan, params_from_hf, router_bias_plan
 
 
 def import_hf(source: str, output: str) -> dict:
@@ -25,7 +25,8 @@ def import_hf(source: str, output: str) -> dict:
       source: local directory with config.json and *.safetensors (plus tokenizer files, optional).
       output: new local directory (must not exist, or be empty).
     Returns:
-      Summary: output, num_params, source_dtype, files (safetensors read), tokenizer (files copied).
+      Summary: output, num_params, source_dtype, files (safetensors read), tokenizer (files copied),
+      ignored (tensors skipped: DeepSeek-V3's multi-token prediction layers, which transformers does not run).
     Raises:
       ConfigError: missing/invalid source, a field or tensor jaxtrain cannot represent, an
         existing output, or a URL for either (raised before anything is written), or NaN/Inf
@@ -63,7 +64,11 @@ def _write_import(src: Path, out: Path, tmp: Path, hf: dict, model: dict, reader
         # A run from this config starts from the imported weights unless told otherwise.
         "checkpoint": {"init_from": os.fspath(out)},
     }, need_data=False)
-    leaves = [StreamedLeaf(plan, reader.rows) for plan in param_plan(model_only_config(model).model, PIECE_BYTES)]
+    m = model_only_config(model).model
+    leaves = [StreamedLeaf(plan, reader.rows) for plan in param_plan(m, PIECE_BYTES, _interleave(hf))]
+    # DeepSeek-V3's routing bias: the train state's moe.router_bias, beside the parameters.
+    bias = router_bias_plan(m)
+    others = {"moe": [StreamedLeaf(bias, reader.rows)]} if bias is not None else None
     num_params = sum(int(np.prod(leaf.shape)) for leaf in leaves)
     with writing(tmp):
         header = (f"# Imported from {src.absolute()} by `jaxtrain import-hf` ({num_params:,} parameters).\n"
@@ -73,10 +78,10 @@ def _write_import(src: Path, out: Path, tmp: Path, hf: dict, model: dict, reader
         (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         copied = copy_tokenizer(src, tmp)
         save_streamed(tmp / "checkpoints", leaves, {"hf_import": {"source": os.fspath(src.absolute()),
-                                                                  "source_dtype": source_dtype}})
+                                                                  "source_dtype": source_dtype}}, others)
         finish(tmp, out)
     return {"output": os.fspath(out), "num_params": num_params, "source_dtype": source_dtype,
-            "files": reader.files, "tokenizer": copied}
+            "files": reader.files, "tokenizer": copied, "ignored": reader.ignored}
 
 
 def model_only_config(model: dict) -> Config:
@@ -95,7 +100,7 @@ def read_hf(source: str, what: str = "import-hf source") -> tuple[dict, dict, di
     """
     with contextlib.ExitStack() as stack:
         hf, model, reader, source_dtype = _open_hf(source, what, stack)
-        params = params_from_hf(reader.get, model_only_config(model).model)
+        params = params_from_hf(reader.get, model_only_config(model).model, _interleave(hf))
     return hf, model, params, source_dtype, reader.files
 
 
@@ -108,8 +113,18 @@ def _open_hf(source: str, what: str, stack: contextlib.ExitStack) -> tuple[dict,
     hf = read_hf_config(src)
     model = model_section_from_hf(hf)
     reader = SafetensorsReader(src, stack)
+    # Tensors the family's checkpoints hold that transformers does not run (DeepSeek-V3's MTP layers):
+    # skipped before the check, which otherwise refuses any tensor without a place in the model.
+    reader.ignored = ignored_tensors(hf, list(reader.shape))
+    for name in reader.ignored:
+        del reader.shape[name], reader.dtype[name]
     source_dtype = check_tensors(reader, model_only_config(model).model)
     return hf, model, reader, source_dtype
+
+
+def _interleave(hf: dict) -> bool:
+    """DeepSeek-V3's `rope_interleave` (default true): whether its rope rows are reordered on import."""
+    return hf.get("rope_interleave", True) is not False
 
 
 def _with_source_comment(text: str) -> str:

@@ -48,6 +48,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.hf import gpt_oss  # its functions use this module's helpers at call time (no import cycle)
+from jaxtrain.hf import deepseek_v3  # the same
 
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Token ids and similar fields that mean nothing to jaxtrain's model but that export carries back.
@@ -180,12 +182,17 @@ def _gemma3_from_hf(hf: dict, num_layers: int) -> dict:
 
 # model_type -> the one architecture jaxtrain reads and writes for it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 gpt_oss.MODEL_TYPE: gpt_oss.ARCHITECTURE, deepseek_v3.MODEL_TYPE: deepseek_v3.ARCHITECTURE}
 
 
 def hf_model_type(m: ModelConfig) -> str:
     """The Hugging Face family a jaxtrain model is written as: Qwen3 (dense) or Qwen3-MoE with
     `model.qk_norm`, else Llama (dense) or Mixtral; Gemma 3 (text) with `model.post_norms`."""
+    if m.attention_sinks:  # gpt-oss (jaxtrain.hf.gpt_oss)
+        return gpt_oss.MODEL_TYPE
+    if m.mla:  # multi-head latent attention: DeepSeek-V3 (jaxtrain.hf.deepseek_v3)
+        return deepseek_v3.MODEL_TYPE
     if m.post_norms:
         return "gemma3_text"
     if m.num_experts > 0:
@@ -213,6 +220,8 @@ def model_section_from_hf(hf: dict) -> dict:
     if list(archs) != [arch]:
         raise ConfigError(f"config.json field 'architectures'={archs!r} is not supported (model_type "
                           f"{model_type!r}: only {arch})")
+    if model_type == gpt_oss.MODEL_TYPE:
+        return gpt_oss.model_section_from_hf(hf)
     gemma = model_type == "gemma3_text"
     if not gemma and hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"config.json field 'hidden_act'={hf.get('hidden_act')!r} is not supported "
@@ -225,6 +234,8 @@ def model_section_from_hf(hf: dict) -> dict:
                           "(jaxtrain has no dropout; set it to 0.0)")
     if hf.get("quantization_config"):
         raise ConfigError("config.json field 'quantization_config' is set: quantized checkpoints cannot be imported")
+    if model_type == deepseek_v3.MODEL_TYPE:
+        return deepseek_v3.model_section(hf)
     d_model = _int_field(hf, "hidden_size")
     heads = _int_field(hf, "num_attention_heads")
     head_dim = hf.get("head_dim")
@@ -371,6 +382,11 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
                 "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                 "original_max_position_embeddings": m.rope_original_max_len}
     model_type = hf_model_type(m)
+    if model_type == gpt_oss.MODEL_TYPE:
+        return gpt_oss.hf_config_from_model(m, dtype, carried)
+    if model_type == deepseek_v3.MODEL_TYPE:
+        carried_ids = {k: carried[k] for k in _CARRIED_FIELDS if carried and k in carried}
+        return {**deepseek_v3.hf_config(m, dtype), **carried_ids}
     out = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.mlp_dim,
@@ -516,6 +532,8 @@ _QWEN3_EXPERTS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj
 
 def _moe_names(m: ModelConfig) -> tuple[str, dict[str, str]]:
     """(the MoE module's name in a layer, jaxtrain expert leaf -> the expert's tensor name)."""
+    if m.mla:  # DeepSeek-V3: Qwen3-MoE's names
+        return "mlp", _QWEN3_EXPERTS
     return ("mlp", _QWEN3_EXPERTS) if m.qk_norm else (MOE, _EXPERTS)
 
 
@@ -533,9 +551,15 @@ def layer_slots(m: ModelConfig) -> list[tuple[str, int, bool]]:
     return slots
 
 
-def _layer_entries(m: ModelConfig, moe: bool) -> dict[tuple[str, ...], tuple[str, _Convert, _Convert]]:
+def _layer_entries(m: ModelConfig, moe: bool,
+                   interleave: bool = True) -> dict[tuple[str, ...], tuple[str, _Convert, _Convert]]:
     """The `_LAYER`-style entries of one layer kind (an MoE layer's experts are handled apart), in
-    transformers' order: attention (with Qwen3's q/k norms), the dense MLP, the two norms."""
+    transformers' order: attention (with Qwen3's q/k norms), the dense MLP, the two norms.
+    gpt-oss: every tensor of the layer, router and fused experts included (`gpt_oss.layer_entries`)."""
+    if hf_model_type(m) == gpt_oss.MODEL_TYPE:
+        return gpt_oss.layer_entries(m)
+    if m.mla:  # DeepSeek-V3 (`interleave`: the source's rope_interleave)
+        return deepseek_v3.layer_entries(m, moe, _LAYER, interleave)
     entries = {}
     for key, value in _LAYER.items():
         if moe and key[0] == "mlp":
@@ -551,6 +575,8 @@ def _layer_entries(m: ModelConfig, moe: bool) -> dict[tuple[str, ...], tuple[str
 def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a checkpoint of this model's family (`hf_model_type`) and shape holds, with
     its shape, in transformers' order (embedding, layers, final norm, head)."""
+    if hf_model_type(m) == gpt_oss.MODEL_TYPE:
+        return gpt_oss.hf_shapes(m)
     D, N, K, H, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
     shapes_of = {"self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
                  "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
@@ -558,6 +584,8 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
                  "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
                  "pre_feedforward_layernorm.weight": (D,), "post_feedforward_layernorm.weight": (D,)}
+    if m.mla:
+        shapes_of.update(deepseek_v3.layer_shapes(m))
     module, experts = _moe_names(m)
     Fe = m.moe_mlp_dim or F
     expert_shapes = {"w_gate": (Fe, D), "w_up": (Fe, D), "w_down": (D, Fe)}
@@ -566,6 +594,8 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         for key, (suffix, _, _) in _layer_entries(m, moe).items():
             if moe and key == ("attn_norm", "scale"):  # the router and experts before the norms
                 shapes[f"model.layers.{i}.{module}.gate.weight"] = (m.num_experts, D)
+                if m.mla:  # DeepSeek-V3's routing bias (the train state's, `router_bias_plan`)
+                    shapes[f"model.layers.{i}.{deepseek_v3.BIAS}"] = (m.num_experts,)
                 for e in range(m.num_experts):
                     for leaf, w in sorted(experts.items(), key=lambda kv: kv[1]):
                         shapes[f"model.layers.{i}.{module}.experts.{e}.{w}.weight"] = expert_shapes[leaf]
@@ -592,24 +622,26 @@ class LeafPlan(NamedTuple):
     pieces: list[Piece]
 
 
-def param_plan(m: ModelConfig, piece_bytes: Optional[int] = None) -> list[LeafPlan]:
+def param_plan(m: ModelConfig, piece_bytes: Optional[int] = None, interleave: bool = True) -> list[LeafPlan]:
     """Every jaxtrain parameter (fp32) of model `m` as pieces of HF tensors, in `params_from_hf`'s order.
 
     Args:
       m: the model section.
       piece_bytes: split the HF tensors that `_ROWS` names into row blocks of at most this many fp32
         bytes (at least one row step each); None: one piece per HF tensor (per layer, per expert).
+      interleave: DeepSeek-V3's rope_interleave (its rope rows reordered; `jaxtrain.hf.deepseek_v3`).
     """
     shapes = hf_shapes(m)
+    row_table = gpt_oss.ROWS if hf_model_type(m) == gpt_oss.MODEL_TYPE else _ROWS
 
     def split(key: tuple[str, ...], name: str, out: tuple[int, ...], lead: tuple[slice, ...],
               convert: Callable[[np.ndarray], np.ndarray]) -> tuple[tuple[int, ...], list[Piece]]:
         """(block, pieces) of HF tensor `name`, whose jaxtrain form has shape `out`, at `lead` of the stack."""
         rows = shapes[name][0]
-        axis, unit_field = _ROWS.get(key, (0, None))
+        axis, unit_field = row_table.get(key, (0, None))
         unit = getattr(m, unit_field) if unit_field else 1
         per = rows
-        if piece_bytes is not None and key in _ROWS:
+        if piece_bytes is not None and key in row_table:
             row_bytes = 4 * int(np.prod(shapes[name][1:], dtype=np.int64))
             per = min(rows, max(1, piece_bytes // max(1, row_bytes * unit)) * unit)
         pieces = []
@@ -642,12 +674,13 @@ def param_plan(m: ModelConfig, piece_bytes: Optional[int] = None) -> list[LeafPl
     module, experts = _moe_names(m)
     for stack, hf_layers in layers_of.items():
         moe = stack == "blocks" and m.num_experts > 0
-        for path, (suffix, from_hf, _) in _layer_entries(m, moe).items():
+        entries = _layer_entries(m, moe, interleave)
+        for path, (suffix, from_hf, _) in entries.items():
             names = [f"model.layers.{i}.{suffix}" for i in hf_layers]
             # Only to learn the converted shape: views of an untouched buffer take no memory.
             out_shape = from_hf(np.empty(shapes[names[0]], np.float32), m).shape
             plans.append(stacked((stack, *path), path, names, out_shape, functools.partial(from_hf, m=m)))
-        if moe:
+        if moe and ("mlp", "router") not in entries:  # else the family's entries hold the experts (gpt-oss)
             gate = [f"model.layers.{i}.{module}.gate.weight" for i in hf_layers]
             plans.append(stacked((stack, "mlp", "router"), ("mlp", "router"), gate, shapes[gate[0]][::-1], _t))
             for leaf, w in experts.items():
@@ -667,7 +700,30 @@ def _t(t: np.ndarray) -> np.ndarray:
     return t.T
 
 
-def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
+def ignored_tensors(hf: dict, names: list[str]) -> list[str]:
+    """The tensors of a source that import skips on purpose (DeepSeek-V3's multi-token prediction
+    layers, which transformers does not run); any other tensor without a place is refused."""
+    return deepseek_v3.ignored_tensors(hf, names) if hf.get("model_type") == deepseek_v3.MODEL_TYPE else []
+
+
+def router_bias_plan(m: ModelConfig) -> Optional[LeafPlan]:
+    """The train state's routing bias `moe.router_bias` [MoE layers, E] from the checkpoint's
+    per-layer bias tensors (DeepSeek-V3's `mlp.gate.e_score_correction_bias`), one piece per layer;
+    None for a family whose checkpoints hold none. Its path is under the state's `moe` entry."""
+    if not (m.mla and m.num_experts):
+        return None
+    hf_layers = [i for i, (_, _, moe) in enumerate(layer_slots(m)) if moe]
+    E = m.num_experts
+    pieces = [Piece((slice(n, n + 1), slice(None)), f"model.layers.{i}.{deepseek_v3.BIAS}", (0, E), _same)
+              for n, i in enumerate(hf_layers)]
+    return LeafPlan(("router_bias",), (len(hf_layers), E), (1, E), pieces)
+
+
+def _same(t: np.ndarray) -> np.ndarray:
+    return t
+
+
+def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig, interleave: bool = True) -> dict:
     """jaxtrain's parameter tree (fp32 numpy, `nnx.to_pure_dict` layout) from HF tensors, in memory
     (the streaming import, `jaxtrain.hf.streaming`, writes the same pieces straight to a checkpoint).
 
@@ -676,7 +732,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
       m: the model section the tensors belong to.
     """
     params: dict = {}
-    for leaf in param_plan(m):
+    for leaf in param_plan(m, interleave=interleave):
         # Filled piece by piece: the peak is the fp32 model plus one source tensor, not twice the model.
         a = np.empty(leaf.shape, np.float32)
         for p in leaf.pieces:
@@ -688,25 +744,37 @@ def params_from_hf(get: Callable[[str], np.ndarray], m: ModelConfig) -> dict:
     return params
 
 
-def hf_tensors_from_params(params: dict, m: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, fp32 [out, in] tensor) pairs for jaxtrain parameters, in transformers' order."""
+def hf_tensors_from_params(params: dict, m: ModelConfig,
+                           router_bias: Optional[Any] = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, fp32 [out, in] tensor) pairs for jaxtrain parameters, in transformers' order.
+
+    `router_bias` [MoE layers, E]: the train state's `moe.router_bias`, written where the family holds
+    one (DeepSeek-V3's e_score_correction_bias; zeros when None); other families have no such tensor.
+    Parameters the family has no tensor for (multi-token prediction's `mtp`) are not written."""
     def host(x: Any) -> np.ndarray:
         return np.asarray(x, dtype=np.float32)
 
     yield "model.embed_tokens.weight", host(params["embed"])
     module, experts = _moe_names(m)
+    model_type = hf_model_type(m)
     stacks: dict[str, dict] = {}  # stack -> {(part, leaf): [layers, ...] fp32}, converted once
     for i, (stack, j, moe) in enumerate(layer_slots(m)):
         if stack not in stacks:
             tree = params[stack]
             stacks[stack] = {path: host(functools.reduce(lambda node, k: node[k], path, tree))
                              for path in _layer_entries(m, moe)}
-            if moe:
+            if moe and ("mlp", "router") not in stacks[stack]:
                 stacks[stack].update({("mlp", leaf): host(tree["mlp"][leaf]) for leaf in ("router", *experts)})
         arrays = stacks[stack]
+        if model_type == gpt_oss.MODEL_TYPE:  # fused tensors: gate_up_proj joins two leaves
+            for suffix, t in gpt_oss.layer_tensors({key: a[j] for key, a in arrays.items()}, m):
+                yield f"model.layers.{i}.{suffix}", np.ascontiguousarray(t)
+            continue
         for key, (suffix, _, to_hf) in _layer_entries(m, moe).items():
             if moe and key == ("attn_norm", "scale"):  # Mixtral's order: attention, router, experts, norms
                 yield f"model.layers.{i}.{module}.gate.weight", np.ascontiguousarray(arrays[("mlp", "router")][j].T)
+                if m.mla:
+                    yield f"model.layers.{i}.{deepseek_v3.BIAS}", deepseek_v3.router_bias_rows(router_bias, m)[j].copy()
                 for e in range(m.num_experts):
                     for leaf, w in sorted(experts.items(), key=lambda kv: kv[1]):
                         yield (f"model.layers.{i}.{module}.experts.{e}.{w}.weight",

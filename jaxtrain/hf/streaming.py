@@ -103,22 +103,25 @@ class _StreamedLeafHandler(ocp.type_handlers.NumpyHandler):
             await pending.popleft()
 
 
-def save_streamed(directory: Path, leaves: list[StreamedLeaf], extra: dict) -> None:
+def save_streamed(directory: Path, leaves: list[StreamedLeaf], extra: dict,
+                  others: Optional[dict[str, list[StreamedLeaf]]] = None) -> None:
     """Write `{"params": <leaves>}` as committed checkpoint 0 in `directory` (a `checkpoints/` folder),
     in the layout jaxtrain's `Checkpointer` writes (Orbax's composite of `state` and `extra`, then
-    `commit.json`).
+    `commit.json`). `others`: more state entries beside `params` (e.g. `moe`: DeepSeek-V3's routing
+    bias, `moe.router_bias`), each from its leaves' paths.
 
     Raises:
       ConfigError: a piece holds NaN or Inf (what was written stays in `directory`: the importer's
         temporary folder, removed on any error).
     """
     _fixed_mmap_threshold()
-    params: dict = {}
-    for leaf in leaves:
-        node = params
-        for key in leaf.plan.path[:-1]:
-            node = node.setdefault(key, {})
-        node[leaf.plan.path[-1]] = leaf
+    state: dict = {}
+    for entry, entry_leaves in {"params": leaves, **(others or {})}.items():
+        for leaf in entry_leaves:
+            node = state.setdefault(entry, {})
+            for key in leaf.plan.path[:-1]:
+                node = node.setdefault(key, {})
+            node[leaf.plan.path[-1]] = leaf
     # jax.Array's handler is there only because Orbax warns without one (no leaf uses it).
     registry = ocp.type_handlers.create_type_handler_registry(
         (StreamedLeaf, _StreamedLeafHandler()), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
@@ -131,7 +134,7 @@ def save_streamed(directory: Path, leaves: list[StreamedLeaf], extra: dict) -> N
         "jaxtrain_version": _version(), "jax_version": jax.__version__}
     try:
         with ocp.Checkpointer(handler) as writer:
-            writer.save(folder, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}),
+            writer.save(folder, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                         extra=ocp.args.JsonSave(dict(extra))))
     except Exception as e:
         cause = e

@@ -27,7 +27,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gpt-oss-tiny", "deepseek-v3-tiny"])
 def test_a_killed_family_run_resumes_bitwise(name, tmp_path):
     config = REPO / "configs" / f"{name}.yaml"
     whole = tmp_path / "whole"
