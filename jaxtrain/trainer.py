@@ -37,7 +37,7 @@ from jaxtrain import __version__
 from jaxtrain.runtime import env, host_malloc
 from jaxtrain.checkpoint.checkpointer import CheckpointError, Checkpointer, CheckpointTier, restore_params_only
 from jaxtrain.runtime.compilation_cache import enable_compilation_cache
-from jaxtrain.checkpoint.checkpointer import restore_latest_read_only
+from jaxtrain.checkpoint.checkpointer import restore_latest_read_only, saved_entries
 from jaxtrain.runtime.compilation_cache import last_compile_s, shared_cache_run_dir
 from jaxtrain.checkpoint.local_tier import LocalTier
 from jaxtrain.storage.paths import is_remote, join
@@ -280,8 +280,14 @@ class Trainer:
         else:
             self.state = self.layout.init()
             if cfg.checkpoint.init_from:
-                params = restore_params_only(cfg.checkpoint.init_from, self.abstract_state()["params"])
+                abstract = self.abstract_state()
+                params = restore_params_only(cfg.checkpoint.init_from, abstract["params"])
                 self.state = {**self.state, "params": params}
+                # The routing bias too, where the source holds one (a DeepSeek-V3 import's
+                # e_score_correction_bias): it chooses the experts the weights were trained with.
+                if "moe" in self.state and "moe" in saved_entries(cfg.checkpoint.init_from):
+                    moe = restore_params_only(cfg.checkpoint.init_from, abstract["moe"], subtree="moe")
+                    self.state = {**self.state, "moe": moe}
                 self.events("init_from", 0, path=cfg.checkpoint.init_from)
 
     def _restore_read_only(self, checkpoint_dir: str) -> bool:

@@ -8,6 +8,8 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Optional
+
 import numpy as np
 import yaml
 
@@ -102,6 +104,21 @@ def read_hf(source: str, what: str = "import-hf source") -> tuple[dict, dict, di
         hf, model, reader, source_dtype = _open_hf(source, what, stack)
         params = params_from_hf(reader.get, model_only_config(model).model, _interleave(hf))
     return hf, model, params, source_dtype, reader.files
+
+
+def read_hf_router_bias(source: str, what: str = "import-hf source") -> Optional[np.ndarray]:
+    """The routing bias [MoE layers, E] fp32 a Hugging Face directory holds (DeepSeek-V3's
+    e_score_correction_bias), or None for a family without one."""
+    with contextlib.ExitStack() as stack:
+        _, model, reader, _ = _open_hf(source, what, stack)
+        plan = router_bias_plan(model_only_config(model).model)
+        if plan is None:
+            return None
+        bias = np.zeros(plan.shape, np.float32)
+        for piece in plan.pieces:
+            rows = reader.get(piece.name).astype(np.float32)[piece.rows[0]:piece.rows[1]]
+            bias[piece.index] = piece.convert(rows).reshape(bias[piece.index].shape)
+    return bias
 
 
 def _open_hf(source: str, what: str, stack: contextlib.ExitStack) -> tuple[dict, dict, SafetensorsReader, str]:

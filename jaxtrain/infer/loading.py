@@ -100,9 +100,13 @@ def from_hf(hf_dir: str) -> Trained:
     """A Hugging Face Llama or Mixtral directory (config.json, *.safetensors, tokenizer.json)."""
     from jaxtrain.data.tokenizer import load_tokenizer
 
+    from jaxtrain.hf.importer import read_hf_router_bias
+
     cfg, params, spec = read_hf_dir(hf_dir)
     tokenizer = load_tokenizer(spec[0], spec[1], key="--hf") if spec else None
-    return Trained(cfg=cfg, params=params, tokenizer=tokenizer, source=hf_dir)
+    # DeepSeek-V3 routes with its e_score_correction_bias: without it other experts are chosen.
+    return Trained(cfg=cfg, params=params, tokenizer=tokenizer, source=hf_dir,
+                   router_bias=read_hf_router_bias(hf_dir, "--hf"))
 
 
 def from_trainer(trainer) -> Trained:

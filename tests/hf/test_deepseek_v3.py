@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -224,3 +225,20 @@ def test_a_trained_run_exports_its_routing_bias_and_drops_its_mtp_module(tmp_pat
     assert not any("eh_proj" in name or name.startswith("model.layers.2.") for name in written)
     tokens = TOKENS[:, :16] % cfg.model.vocab_size
     assert np.abs(jax_logits(run, tokens) - hf_logits(exported, tokens)).max() <= 1e-4
+
+
+def test_a_run_started_from_the_import_routes_with_its_bias(source, tmp_path):
+    """checkpoint.init_from of an import restores the routing bias (e_score_correction_bias) beside the
+    parameters: a fine-tune starts routing as the source model does, not with a zero bias."""
+    from jaxtrain.trainer import Trainer
+
+    out = tmp_path / "imported"
+    assert cli.main(["import-hf", str(source), "--output", str(out)]) == 0
+    cfg = load_config(out / "config.yaml", ["data.source=markov", f"run.output_dir={tmp_path / 'run'}",
+                                             "data.seq_len=16", "data.global_batch_size=8", "mesh.data=-1"])
+    trainer = Trainer(cfg, write_files=False)
+    got = np.asarray(jax.device_get(trainer.state["moe"]["router_bias"]))
+    want = np.stack([load_file(next(source.glob("*.safetensors")))[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+                     for i in range(1, LAYERS)])
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_array_equal(got, want)

@@ -23,6 +23,7 @@ from jaxtrain.commands import cli
 from jaxtrain.infer.generate import Generator, bucket
 from jaxtrain.infer.sampling import Sampling, filter_logits
 from jaxtrain.config import ConfigError
+from jaxtrain.checkpoint.trained_run import restore_router_bias
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
 from test_hf import LLAMA3, jax_params, make_hf  # noqa: E402
@@ -30,6 +31,7 @@ from test_mixtral import make_mixtral  # noqa: E402
 from test_gemma3 import VARIANTS as GEMMA3, make_gemma3  # noqa: E402
 from test_qwen3 import make_qwen3  # noqa: E402
 from test_gpt_oss import VARIANTS as GPT_OSS, make_gpt_oss  # noqa: E402
+from test_deepseek_v3 import make_deepseek  # noqa: E402
 
 # Prompts of different lengths in one batch (one past a prompt bucket of 16, one of a single token).
 PROMPTS = [[5, 17, 3, 60, 2, 9, 41], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 30],
@@ -48,14 +50,15 @@ def hf_greedy(path: Path, prompt: list[int], new: int) -> tuple[list[int], np.nd
 
 
 def imported(src: Path, tmp_path: Path) -> Generator:
+    """A Generator of `src` imported: its parameters and, for an MoE model that has one, its routing bias."""
     out = tmp_path / "imported"
     assert cli.main(["import-hf", str(src), "--output", str(out)]) == 0
     cfg, params = jax_params(out)
-    return Generator(cfg.model, params)
+    return Generator(cfg.model, params, router_bias=restore_router_bias(str(out), cfg, None))
 
 
 @pytest.mark.parametrize("variant", ["gqa-untied", "tied", "llama3-rope", "head-dim-16", "mixtral", "qwen3",
-                                     "qwen3-moe", "gemma3", "gpt-oss"])
+                                     "qwen3-moe", "gemma3", "gpt-oss", "deepseek-v3"])
 def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
     src = tmp_path / "src"
     if variant == "mixtral":
@@ -66,6 +69,8 @@ def test_greedy_decoding_equals_transformers_token_for_token(variant, tmp_path):
         make_qwen3(src, {"norm_topk_prob": False, "decoder_sparse_step": 2, "num_hidden_layers": 4})
     elif variant == "gemma3":  # local layers' windows over the cache (prompts and continuations past them)
         make_gemma3(src, GEMMA3["untied-pattern3-linear"][0])
+    elif variant == "deepseek-v3":  # MLA's cache (values narrower than keys), group routing with its bias, YaRN
+        make_deepseek(src)
     elif variant == "gpt-oss":  # sinks and biases over the cache, windows of 4, YaRN, clamped SwiGLU experts
         make_gpt_oss(src, GPT_OSS["untied-biased-yarn"])
     else:
