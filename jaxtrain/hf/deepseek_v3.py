@@ -62,7 +62,7 @@ def model_section(hf: dict) -> dict:
       ConfigError: a field jaxtrain's MLA / sigmoid group routing cannot represent, named (topk_method,
         scoring_func, norm_topk_prob, num_key_value_heads, first_k_dense_replace, moe_layer_freq, rope type, ...).
     """
-    from jaxtrain.hf.mapping import _float_field, _int_field
+    from jaxtrain.hf.common import _float_field, _int_field
 
     if hf.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ConfigError(f"config.json field 'topk_method'={hf['topk_method']!r} is not supported (jaxtrain's "
@@ -125,7 +125,7 @@ def model_section(hf: dict) -> dict:
 def _rope_from_hf(hf: dict) -> dict:
     """The rotary keys: the default rope, or YaRN with DeepSeek's mscale / mscale_all_dim (transformers
     5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`); any other rope type is refused."""
-    from jaxtrain.hf.mapping import _float_field, _int_field
+    from jaxtrain.hf.common import _float_field, _int_field
 
     params, where = hf.get("rope_parameters"), "rope_parameters"
     if params is None:
@@ -165,7 +165,7 @@ def _rope_from_hf(hf: dict) -> dict:
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:
     """A DeepseekV3ForCausalLM config.json for a model with MLA; what it cannot represent is refused by name."""
-    from jaxtrain.hf.mapping import HF_DTYPE_NAMES
+    from jaxtrain.hf.common import HF_DTYPE_NAMES
 
     refused = {"model.num_experts=0": m.num_experts == 0, "model.moe_router=softmax": m.moe_router != "sigmoid",
                "model.moe_every": m.moe_every != 1, "model.qk_norm": m.qk_norm, "model.post_norms": m.post_norms,
@@ -292,7 +292,7 @@ SHARED: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
 
 
 def layer_entries(m: ModelConfig, moe: bool, llama: dict, interleave: bool = True) -> dict:
-    """One layer's `mapping._LAYER`-style entries (an MoE layer's router and routed experts apart), in
+    """One layer's `common._LAYER`-style entries (an MoE layer's router and routed experts apart), in
     transformers' order: MLA, the dense MLP (`llama`'s) or the shared experts, the two norms."""
     entries = dict(attention_entries(m, interleave))
     for key, value in llama.items():

@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from jaxtrain.config import ConfigError, ModelConfig
-from jaxtrain.hf import mapping
+from jaxtrain.hf import common
 
 MODEL_TYPE = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
@@ -70,21 +70,21 @@ def yarn_from_hf(params: dict, hf: dict, where: str) -> dict:
         raise ConfigError(f"config.json field '{where}.attention_factor'={params['attention_factor']!r} is not "
                           "supported (jaxtrain derives YaRN's attention factor from factor and mscale)")
     original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-    original = mapping._int_field({"original_max_position_embeddings": original}, "original_max_position_embeddings")
+    original = common._int_field({"original_max_position_embeddings": original}, "original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None:  # transformers: the ratio of the two lengths
-        factor = mapping._int_field(hf, "max_position_embeddings") / original
+        factor = common._int_field(hf, "max_position_embeddings") / original
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ConfigError(f"config.json field '{where}.truncate'={truncate!r} must be true or false")
-    out = {"rope_scaling": "yarn", "rope_scaling_factor": mapping._float_field(hf, f"{where}.factor", factor),
+    out = {"rope_scaling": "yarn", "rope_scaling_factor": common._float_field(hf, f"{where}.factor", factor),
            "rope_original_max_len": original, "rope_yarn_truncate": truncate,
            # transformers: `or 32` / `or 1`: a null or 0 is the default
-           "rope_yarn_beta_fast": mapping._float_field(hf, f"{where}.beta_fast", params.get("beta_fast") or 32.0),
-           "rope_yarn_beta_slow": mapping._float_field(hf, f"{where}.beta_slow", params.get("beta_slow") or 1.0)}
+           "rope_yarn_beta_fast": common._float_field(hf, f"{where}.beta_fast", params.get("beta_fast") or 32.0),
+           "rope_yarn_beta_slow": common._float_field(hf, f"{where}.beta_slow", params.get("beta_slow") or 1.0)}
     for key in ("mscale", "mscale_all_dim"):
         if params.get(key):
-            out[f"rope_yarn_{key}"] = mapping._float_field(hf, f"{where}.{key}", params[key])
+            out[f"rope_yarn_{key}"] = common._float_field(hf, f"{where}.{key}", params[key])
     return out
 
 
@@ -97,7 +97,7 @@ def _rope_from_hf(hf: dict) -> dict:
     if params is not None and not isinstance(params, dict):
         raise ConfigError(f"config.json field '{where}' must be a mapping, got {params!r}")
     params = dict(params or {})
-    theta = mapping._float_field(hf, f"{where}.rope_theta", params.get("rope_theta", hf.get("rope_theta", _THETA)))
+    theta = common._float_field(hf, f"{where}.rope_theta", params.get("rope_theta", hf.get("rope_theta", _THETA)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
         raise ConfigError("config.json field 'partial_rotary_factor' is not supported (jaxtrain rotates the whole head)")
@@ -122,7 +122,7 @@ def _windows_from_hf(hf: dict, num_layers: int) -> dict:
     local = [k == "sliding_attention" for k in kinds]
     if not any(local):
         return {"sliding_window": 0, "sliding_window_pattern": 0}
-    window = mapping._int_field(hf, "sliding_window")
+    window = common._int_field(hf, "sliding_window")
     pattern = 0
     if not all(local):
         pattern = local.index(False) + 1
@@ -143,38 +143,38 @@ def model_section_from_hf(hf: dict) -> dict:
     if hf.get("attention_dropout") not in (None, 0, 0.0):
         raise ConfigError(f"config.json field 'attention_dropout'={hf['attention_dropout']!r} is not supported "
                           "(jaxtrain has no dropout; set it to 0.0)")
-    d_model = mapping._int_field(hf, "hidden_size")
-    heads = mapping._int_field(hf, "num_attention_heads")
+    d_model = common._int_field(hf, "hidden_size")
+    heads = common._int_field(hf, "num_attention_heads")
     head_dim = hf.get("head_dim") or d_model // heads
-    layers = mapping._int_field(hf, "num_hidden_layers")
-    k = mapping._int_field(hf, "num_experts_per_tok", hf.get("experts_per_token"))
+    layers = common._int_field(hf, "num_hidden_layers")
+    k = common._int_field(hf, "num_experts_per_tok", hf.get("experts_per_token"))
     if k == 1:
         raise ConfigError("config.json field 'num_experts_per_tok'=1 is not supported: gpt-oss renormalises a single "
                           "gate to 1, jaxtrain's top-1 keeps the probability (Switch)")
     experts = hf.get("num_local_experts", hf.get("num_experts"))
     section = {
-        "vocab_size": mapping._int_field(hf, "vocab_size"),
+        "vocab_size": common._int_field(hf, "vocab_size"),
         "d_model": d_model, "num_layers": layers, "num_heads": heads,
-        "num_kv_heads": mapping._int_field(hf, "num_key_value_heads", heads),
-        "head_dim": mapping._int_field({"head_dim": head_dim}, "head_dim"),
+        "num_kv_heads": common._int_field(hf, "num_key_value_heads", heads),
+        "head_dim": common._int_field({"head_dim": head_dim}, "head_dim"),
         # Every layer is MoE: mlp_dim (a dense layer's) is unused; kept equal to the experts'.
-        "mlp_dim": mapping._int_field(hf, "intermediate_size"),
-        "max_seq_len": mapping._int_field(hf, "max_position_embeddings", 131072),  # GptOssConfig's default
-        "norm_eps": mapping._float_field(hf, "rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
-        "tie_embeddings": mapping._flag(hf, "tie_word_embeddings", False),
+        "mlp_dim": common._int_field(hf, "intermediate_size"),
+        "max_seq_len": common._int_field(hf, "max_position_embeddings", 131072),  # GptOssConfig's default
+        "norm_eps": common._float_field(hf, "rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
+        "tie_embeddings": common._flag(hf, "tie_word_embeddings", False),
         **_rope_from_hf(hf),
         **_windows_from_hf(hf, layers),
-        "attention_sinks": True, "attention_bias": mapping._flag(hf, "attention_bias", True), "mlp_bias": True,
+        "attention_sinks": True, "attention_bias": common._flag(hf, "attention_bias", True), "mlp_bias": True,
         "mlp_activation": "clamped_swiglu",
-        "swiglu_limit": mapping._float_field(hf, "swiglu_limit", hf.get("swiglu_limit", 7.0)),
-        "swiglu_alpha": mapping._float_field(hf, "swiglu_alpha", hf.get("swiglu_alpha", 1.702)),
-        "num_experts": mapping._int_field({"num_local_experts": experts}, "num_local_experts"),
-        "experts_per_token": k, "moe_mlp_dim": mapping._int_field(hf, "intermediate_size"),
+        "swiglu_limit": common._float_field(hf, "swiglu_limit", hf.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": common._float_field(hf, "swiglu_alpha", hf.get("swiglu_alpha", 1.702)),
+        "num_experts": common._int_field({"num_local_experts": experts}, "num_local_experts"),
+        "experts_per_token": k, "moe_mlp_dim": common._int_field(hf, "intermediate_size"),
         "moe_router": "softmax", "moe_norm_topk_prob": True, "capacity_factor": 0.0,
     }
     if isinstance(hf.get("initializer_range"), (int, float)) and hf["initializer_range"] > 0:
         section["init_std"] = float(hf["initializer_range"])
-    section.update(mapping._aux_loss_from_hf(hf))
+    section.update(common._aux_loss_from_hf(hf))
     return section
 
 
@@ -222,9 +222,9 @@ def hf_config_from_model(m: ModelConfig, dtype: str, carried: Optional[dict] = N
         "router_aux_loss_coef": m.moe_aux_loss, "output_router_logits": False,
         "swiglu_limit": m.swiglu_limit, "swiglu_alpha": m.swiglu_alpha,
         "initializer_range": m.init_std, "use_cache": True,
-        "dtype": mapping.HF_DTYPE_NAMES[dtype], "torch_dtype": mapping.HF_DTYPE_NAMES[dtype],
+        "dtype": common.HF_DTYPE_NAMES[dtype], "torch_dtype": common.HF_DTYPE_NAMES[dtype],
     }
-    for k in mapping._CARRIED_FIELDS:
+    for k in common._CARRIED_FIELDS:
         if carried and k in carried:
             out[k] = carried[k]
     return out
@@ -263,11 +263,11 @@ ROWS: dict[tuple[str, ...], tuple[int, Optional[str]]] = {
 
 
 def layer_entries(m: ModelConfig) -> dict[tuple[str, ...], tuple[str, _Convert, Optional[_Convert]]]:
-    """Every tensor of a gpt-oss layer as `mapping._LAYER`-style entries (path -> (HF name under
+    """Every tensor of a gpt-oss layer as `common._LAYER`-style entries (path -> (HF name under
     model.layers.i., HF -> jaxtrain, back)), in transformers' order: attention (+ biases, sinks),
     router, experts, the two norms."""
     entries: dict = {}
-    for key, value in mapping._LAYER.items():
+    for key, value in common._LAYER.items():
         if key[0] == "mlp" or key[0].endswith("_norm"):
             continue
         entries[key] = value
@@ -275,8 +275,8 @@ def layer_entries(m: ModelConfig) -> dict[tuple[str, ...], tuple[str, _Convert, 
         entries.update(_ATTN_BIASES)
     entries[("attn", "sinks")] = ("self_attn.sinks", lambda t, m: t, lambda a, m: a)
     entries.update(_MOE)
-    entries[("attn_norm", "scale")] = mapping._LAYER[("attn_norm", "scale")]
-    entries[("mlp_norm", "scale")] = mapping._LAYER[("mlp_norm", "scale")]
+    entries[("attn_norm", "scale")] = common._LAYER[("attn_norm", "scale")]
+    entries[("mlp_norm", "scale")] = common._LAYER[("mlp_norm", "scale")]
     return entries
 
 

@@ -48,29 +48,12 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from jaxtrain.config import ConfigError, ModelConfig
-from jaxtrain.hf import gpt_oss  # its functions use this module's helpers at call time (no import cycle)
-from jaxtrain.hf import deepseek_v3  # the same
-
-HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# Token ids and similar fields that mean nothing to jaxtrain's model but that export carries back.
-_CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+from jaxtrain.hf.common import (_CARRIED_FIELDS, _LAYER, HF_DTYPE_NAMES, _aux_loss_from_hf, _Convert, _flag,
+                                 _float_field, _int_field)
+from jaxtrain.hf import deepseek_v3, gpt_oss  # the families beyond Llama's layout (they build on hf.common)
 
 # ----------------------------------------------------------------------------- config mapping
 
-
-def _int_field(hf: dict, name: str, default: Optional[int] = None) -> int:
-    value = hf.get(name, default)
-    if value is None:
-        raise ConfigError(f"config.json has no '{name}' (needed to build the model)")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json field '{name}'={value!r} must be a positive integer")
-    return value
-
-
-def _float_field(hf: dict, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"config.json field '{name}'={value!r} must be a number")
-    return float(value)
 
 
 def _rope_from_hf(hf: dict) -> dict:
@@ -284,13 +267,6 @@ def _refuse_qwen3_windows(hf: dict, num_layers: int) -> None:
                           "causal in every layer: full_attention only)")
 
 
-def _flag(hf: dict, name: str, default: bool) -> bool:
-    value = hf.get(name, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"config.json field '{name}'={value!r} must be true or false")
-    return value
-
-
 def _moe_from_hf(hf: dict, mlp_dim: int) -> dict:
     """The MoE keys of a Mixtral config.json (softmax top-k, renormalised over the k)."""
     if hf.get("sliding_window") is not None:
@@ -307,15 +283,6 @@ def _moe_from_hf(hf: dict, mlp_dim: int) -> dict:
            "moe_mlp_dim": mlp_dim, "moe_router": "softmax", "capacity_factor": 0.0}
     out.update(_aux_loss_from_hf(hf))
     return out
-
-
-def _aux_loss_from_hf(hf: dict) -> dict:
-    """`router_aux_loss_coef` -> model.moe_aux_loss, as it is (transformers applies it once to the
-    balance of all layers' tokens together; jaxtrain to each MoE layer's, summed)."""
-    coef = hf.get("router_aux_loss_coef")
-    if isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef >= 0:
-        return {"moe_aux_loss": float(coef)}
-    return {}
 
 
 def moe_layer_pattern(num_layers: int, moe_layers: set[int]) -> Optional[tuple[int, int]]:
@@ -471,29 +438,6 @@ def _gemma3_to_hf(m: ModelConfig, rope: dict) -> dict:
 
 # ----------------------------------------------------------------------------- weight mapping
 
-# jaxtrain path under `blocks` -> (HF name under `model.layers.{i}.`, HF [out, in] -> jaxtrain, back).
-# `m` is the ModelConfig; the reshapes split/join the head dimension of the [out, in] matrices.
-# A conversion takes a block of whole rows (heads, for q/k/v) as well as the whole tensor (`_ROWS`).
-_Convert = Callable[[np.ndarray, ModelConfig], np.ndarray]
-_LAYER: dict[tuple[str, ...], tuple[str, _Convert, _Convert]] = {
-    ("attn", "wq"): ("self_attn.q_proj.weight",
-                     lambda t, m: t.reshape(-1, m.head_dim, m.d_model).transpose(2, 0, 1),
-                     lambda a, m: a.transpose(1, 2, 0).reshape(m.num_heads * m.head_dim, m.d_model)),
-    ("attn", "wk"): ("self_attn.k_proj.weight",
-                     lambda t, m: t.reshape(-1, m.head_dim, m.d_model).transpose(2, 0, 1),
-                     lambda a, m: a.transpose(1, 2, 0).reshape(m.num_kv_heads * m.head_dim, m.d_model)),
-    ("attn", "wv"): ("self_attn.v_proj.weight",
-                     lambda t, m: t.reshape(-1, m.head_dim, m.d_model).transpose(2, 0, 1),
-                     lambda a, m: a.transpose(1, 2, 0).reshape(m.num_kv_heads * m.head_dim, m.d_model)),
-    ("attn", "wo"): ("self_attn.o_proj.weight",
-                     lambda t, m: t.reshape(-1, m.num_heads, m.head_dim).transpose(1, 2, 0),
-                     lambda a, m: a.transpose(2, 0, 1).reshape(m.d_model, m.num_heads * m.head_dim)),
-    ("mlp", "w_gate"): ("mlp.gate_proj.weight", lambda t, m: t.T, lambda a, m: a.T),
-    ("mlp", "w_up"): ("mlp.up_proj.weight", lambda t, m: t.T, lambda a, m: a.T),
-    ("mlp", "w_down"): ("mlp.down_proj.weight", lambda t, m: t.T, lambda a, m: a.T),
-    ("attn_norm", "scale"): ("input_layernorm.weight", lambda t, m: t, lambda a, m: a),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", lambda t, m: t, lambda a, m: a),
-}
 # Top-level parameters: jaxtrain key -> (HF name, HF -> jaxtrain, back).
 _TOP: dict[str, tuple[str, _Convert, _Convert]] = {
     "embed": ("model.embed_tokens.weight", lambda t, m: t, lambda a, m: a),

@@ -49,7 +49,7 @@ def mla_numpy(p: dict, cfg: ModelConfig, x, positions, segment_ids):
     """DeepseekV3Attention's forward in float64 from the parameters (rotate-half rope channels)."""
     x = np.asarray(x, np.float64)
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
-    Hn, Hr, Hv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    Hn, Hr, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if "wq" in p:
         q = np.einsum("bld,dnh->blnh", x, p["wq"])
     else:

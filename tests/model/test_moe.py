@@ -4,8 +4,6 @@ routing for the capacity drop, hand-computed aux and z losses, and the routing b
 
 from __future__ import annotations
 
-import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from helpers import TINY, read_jsonl
 from trees import assert_trees_close
