@@ -157,13 +157,71 @@ class OptimConfig:
     # Length of the warmup + decay schedule in steps (null = train.steps). Set it to the old train.steps to
     # train a finished run on past its end at the final learning rate instead of re-stretching the schedule.
     decay_steps: Optional[int] = None
+    # The other optimizers' own keys (docs/optim.md); schedule_free uses b1 (its interpolation), b2 and eps.
+    adafactor_decay_rate: float = 0.8  # adafactor: the second-moment decay exponent (decay 1 - t^-rate)
+    adafactor_min_dim_to_factor: int = 128  # adafactor: factor the second moment of dims at least this long
+    adafactor_param_scale: bool = False  # adafactor: steps relative to each parameter's RMS (lr ~1e-2 then)
+    lion_b1: float = 0.9  # lion: the momentum mixed into the update's sign
+    lion_b2: float = 0.99  # lion: the momentum's own decay rate
+    sgd_momentum: float = 0.9  # sgd: momentum decay rate (0 = plain SGD, no state)
+    sgd_nesterov: bool = False  # sgd: Nesterov momentum
+    # Muon (name=muon; jaxtrain/train/muon.py, docs/optim.md "Muon"): the hidden weight matrices' momentum,
+    # orthogonalised by a quintic Newton-Schulz iteration; AdamW (b1, b2, eps above) for everything else.
+    muon_momentum: float = 0.95  # Muon's momentum decay rate
+    muon_nesterov: bool = True  # Muon: Nesterov momentum (false: plain heavy-ball momentum)
+    muon_ns_steps: int = 5  # Muon: Newton-Schulz iterations per update
+    # Muon: the Newton-Schulz quintic X <- aX + b(XX^T)X + c(XX^T)^2 X (Keller Jordan's coefficients)
+    muon_ns_a: float = 3.4445  # Muon: the quintic's a
+    muon_ns_b: float = -4.7750  # Muon: the quintic's b
+    muon_ns_c: float = 2.0315  # Muon: the quintic's c
+    qk_clip: float = 0.0  # Muon: MuonClip's max-attention-logit threshold (0 = off; not built: only 0 is accepted)
 
     def validate(self) -> None:
         """The optim section's own rules."""
+        muon_keys = ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_a", "muon_ns_b", "muon_ns_c",
+                     "qk_clip")
+        if self.name != "muon":
+            for key in muon_keys:  # a Muon key set for another optimizer would silently do nothing
+                if getattr(self, key) != getattr(OptimConfig, key):
+                    raise ConfigError(f"config key 'optim.{key}' is a Muon key: it needs optim.name=muon, not {self.name}")
+        if not 0.0 <= self.muon_momentum < 1.0 or self.muon_ns_steps < 1:
+            raise ConfigError("optim.muon_momentum must be within [0, 1) and optim.muon_ns_steps >= 1")
+        if self.qk_clip != 0.0:
+            raise ConfigError("config key 'optim.qk_clip' (MuonClip) is not built: only 0 (off) is accepted")
+        for key, users in OPTIMIZER_KEYS.items():  # another optimizer's key would silently do nothing
+            if self.name not in users and getattr(self, key) != getattr(OptimConfig, key):
+                raise ConfigError(f"config key 'optim.{key}' is used by optim.name={' or '.join(users)} only, "
+                                  f"not {self.name}")
+        if not (0.0 <= self.lion_b1 < 1.0 and 0.0 <= self.lion_b2 < 1.0 and 0.0 <= self.sgd_momentum < 1.0
+                and self.adafactor_decay_rate > 0 and self.adafactor_min_dim_to_factor >= 1):
+            raise ConfigError("optim.lion_b1, lion_b2 and sgd_momentum must be within [0, 1), "
+                              "optim.adafactor_decay_rate > 0 and adafactor_min_dim_to_factor >= 1")
+        if self.name == "schedule_free" and not 0.0 < self.b1 < 1.0:
+            raise ConfigError(f"optim.name=schedule_free needs optim.b1 (its interpolation) within (0, 1), got {self.b1}")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio within [0, 1]")
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ConfigError(f"config key 'optim.decay_steps' must be >= 1 (null = train.steps), got {self.decay_steps}")
+        if self.wsd_decay_steps < 0:
+            raise ConfigError(f"config key 'optim.wsd_decay_steps' must be >= 0 (0 = a fifth of the schedule), "
+                              f"got {self.wsd_decay_steps}")
+        if self.schedule != "wsd":
+            for key in ("wsd_decay_steps", "wsd_decay_shape"):  # would silently do nothing
+                if getattr(self, key) != getattr(OptimConfig, key):
+                    raise ConfigError(f"config key 'optim.{key}' is a WSD key: it needs optim.schedule=wsd, "
+                                      f"not {self.schedule}")
+
+
+# optim keys that only some optimizers use -> those optimizers (OptimConfig.validate refuses the key
+# set away from its default for any other; Muon's keys are checked on their own).
+OPTIMIZER_KEYS: dict[str, tuple[str, ...]] = {
+    "b1": ("adamw", "muon", "schedule_free"), "b2": ("adamw", "muon", "schedule_free"),
+    "eps": ("adamw", "muon", "schedule_free"),
+    "adafactor_decay_rate": ("adafactor",), "adafactor_min_dim_to_factor": ("adafactor",),
+    "adafactor_param_scale": ("adafactor",),
+    "lion_b1": ("lion",), "lion_b2": ("lion",),
+    "sgd_momentum": ("sgd",), "sgd_nesterov": ("sgd",),
+}
 
 
 DEFAULT_RULES: dict = {
@@ -1309,6 +1367,12 @@ def validate_cross_section(cfg: Config) -> None:
     if cfg.chaos.hang_in_step and cfg.fault.step_markers == "never":
         raise ConfigError("config key 'chaos.hang_in_step' blocks inside the step's start mark, a host callback that "
                           "fault.step_markers=never leaves out: set fault.step_markers=auto")
+    # optim x train: a WSD decay must fit the schedule after its warmup (the default, a fifth, always does)
+    o = cfg.optim
+    length = o.decay_steps if o.decay_steps is not None else t.steps
+    if o.schedule == "wsd" and o.wsd_decay_steps > 0 and o.warmup_steps + o.wsd_decay_steps > length:
+        raise ConfigError(f"optim.wsd_decay_steps={o.wsd_decay_steps} after optim.warmup_steps={o.warmup_steps} is "
+                          f"longer than the schedule's {length} steps (optim.decay_steps, else train.steps)")
     # checkpoint x run
     c = cfg.checkpoint
     if c.local_every_steps > 0 and c.local_dir is not None and "://" not in cfg.run.output_dir:

@@ -671,6 +671,12 @@ def layer_index(cfg: ModelConfig, stack: str, i: int) -> int:
     return f + i * m + m - 1  # the MoE layers
 
 
+def model_logical_axes(m: ModelConfig) -> dict:
+    """The logical axes of model `m`'s parameters (shapes only: nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
+    return logical_axes(nnx.split(abstract)[1])
+
+
 def logical_axes(params_state: nnx.State) -> dict:
     """Nested dict of logical-name tuples, matching `nnx.to_pure_dict(params_state)`."""
     def walk(node):

@@ -86,13 +86,20 @@ def splits_length(cfg) -> bool:
     return any("tensor" in (t if isinstance(t, list) else [t]) for t in targets)
 
 
+def gathers_in_muon(cfg) -> bool:
+    """Whether `cfg` runs Muon on matrices split over `fsdp` or `tensor`: each Newton-Schulz step
+    all-gathers them, and YNNPACK's elementwise fusions reject the gathered layout as for
+    sequence parallelism (jaxtrain train, fsdp 2 x tensor 2, 2026-12-06, jaxlib 0.12.0.1)."""
+    return cfg is not None and cfg.optim.name == "muon" and (cfg.mesh.fsdp != 1 or cfg.mesh.tensor != 1)
+
+
 def cpu_xla_flags(cfg=None) -> list[str]:
     """The recommended XLA flags for this CPU (to be set before JAX starts); none for a jaxlib
     these flags were not checked with. With `cfg`, flags that config can run with (see
     YNN_FUSIONS_NO_ELTWISE)."""
     if not _jaxlib_checked():
         return []
-    ynn = YNN_FUSIONS_NO_ELTWISE if splits_length(cfg) else YNN_FUSIONS
+    ynn = YNN_FUSIONS_NO_ELTWISE if splits_length(cfg) or gathers_in_muon(cfg) else YNN_FUSIONS
     return [ynn] + ([VECTOR_512] if has_avx512() else [])
 
 

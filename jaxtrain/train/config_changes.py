@@ -27,7 +27,7 @@ import yaml
 from jaxtrain.storage import object_store, small_files
 from jaxtrain.storage.paths import join
 from jaxtrain.config import Config, ConfigError, from_dict
-from jaxtrain.train.optim import learning_rate_schedule, schedule_steps
+from jaxtrain.train.schedules import learning_rate_schedule, same_rates
 
 ALLOW_KEY = "run.allow_changes"  # the consent key; never compared itself
 
@@ -51,8 +51,9 @@ GUARDED_KEYS = {
     "precision.policy": "the steps so far were computed in the old precision",
     "stability.z_loss": "it is part of the loss the steps so far minimised",
 }
-# Keys that change the learning-rate schedule only through its length (optim.schedule_steps).
-SCHEDULE_LENGTH = ("train.steps", "optim.decay_steps")
+# Keys that change the learning-rate schedule only through its length (schedules.schedule_steps) or
+# where its final decay starts (a WSD run's): judged by `check_changes` on the rates already used.
+SCHEDULE_LENGTH = ("train.steps", "optim.decay_steps", "optim.wsd_decay_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,9 @@ def diff_configs(old: dict, new: dict) -> list[Change]:
     A key that `old` lacks (it predates the key) counts as holding its default; a key that `new`
     lacks (it is gone) is ignored. `run.allow_changes` is never compared.
     """
-    defaults, before, after = flatten(Config().to_dict()), flatten(old), flatten(new)
+    # As stored (JSON or YAML): a tuple-valued key reads back as a list, and must not count as changed.
+    plain = lambda cfg: json.loads(json.dumps(cfg))
+    defaults, before, after = flatten(plain(Config().to_dict())), flatten(plain(old)), flatten(plain(new))
     changes = []
     for key in sorted(after):
         if key == ALLOW_KEY:
@@ -136,14 +139,17 @@ def schedule_length(cfg: Config) -> int:
 
 
 def _schedule_reason(old: Optional[Config], cfg: Config, step: int) -> str:
-    """Why changing the schedule's length at `step` matters, with the jump in learning rate."""
+    """Why changing the schedule's length (or a WSD decay's) at `step` matters, with the jump in
+    learning rate."""
     new_total = schedule_length(cfg)
     if old is None:
         return f"the learning-rate schedule would be re-stretched to {new_total} steps"
     old_total = schedule_length(old)
+    what = (f"re-stretched from {old_total} to {new_total} steps" if old_total != new_total else
+            f"changed (optim.wsd_decay_steps {old.optim.wsd_decay_steps} -> {cfg.optim.wsd_decay_steps})")
     # The update of step N uses the schedule at N - 1 (optax counts the updates applied before it).
     was, now = float(learning_rate_schedule(old)(max(step - 1, 0))), float(learning_rate_schedule(cfg)(step))
-    return (f"the learning-rate schedule would be re-stretched from {old_total} to {new_total} steps: the learning "
+    return (f"the learning-rate schedule would be {what}: the learning "
             f"rate would jump from {was:.2e} at step {step} to {now:.2e} at step {step + 1}")
 
 
@@ -151,13 +157,15 @@ def check_changes(stored: dict, cfg: Config, step: int) -> tuple[list[Change], l
     """The changes from `stored` to `cfg` on a resume from `step`, and those that alter what was
     already trained, each with why (consent is not applied here).
 
-    train.steps and optim.decay_steps count only when they change the schedule's length
-    (`optim.schedule_steps`): train.steps=600 with optim.decay_steps=300 on a run trained with
-    train.steps=300 extends it at its final learning rate and is harmless.
+    train.steps, optim.decay_steps and optim.wsd_decay_steps (SCHEDULE_LENGTH) count only when they
+    change a learning rate already used, at an update count below `step`: train.steps=600 with
+    optim.decay_steps=300 on a run trained with train.steps=300 extends it at its final learning
+    rate, and a longer train.steps of a WSD run still in its stable phase moves only the decay that
+    has not started yet; both are harmless. Any other optim key (optim.schedule too) is refused.
     """
     changes = diff_configs(stored, cfg.to_dict())
     old = _old_config(stored, cfg)
-    stretched = old is None or schedule_steps(old) != schedule_steps(cfg)
+    stretched = old is None or not same_rates(learning_rate_schedule(old), learning_rate_schedule(cfg), step)
     refused = []
     for change in changes:
         if change.key in SCHEDULE_LENGTH:
@@ -210,6 +218,13 @@ def decide(cfg: Config, checkpoint_dir: str, step: int, persistent: Optional[int
     if stored is None:
         return {"changes": [], "consented": [], "source": "", "refused": ""}
     changes, refused = check_changes(stored, cfg, step)
+    for c in changes:  # no consent helps: the checkpoint holds the old optimizer's state, not the new one's
+        if c.key == "optim.name":
+            return {"changes": [], "consented": [], "source": where, "refused": (
+                f"run.output_dir='{cfg.run.output_dir}' resumes from step {step}, but optim.name changes {_show(c.old)} -> {_show(c.new)} "
+                f"(compared with {where}): the checkpoint holds {_show(c.old)}'s optimizer state, which "
+                f"{_show(c.new)} cannot use, and run.allow_changes cannot accept this. To go on: keep "
+                f"optim.name={_show(c.old)}, or start afresh with another run.output_dir")}
     allowed = allowed_keys(cfg)
     needing = [(c, why) for c, why in refused if allowed is not None and c.key not in allowed]
     consented = [c.key for c, _ in refused if allowed is None or c.key in allowed]

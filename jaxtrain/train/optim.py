@@ -1,57 +1,178 @@
-"""The optimizer and its learning-rate schedule: global-norm clipping then AdamW, linear warmup
-then cosine decay, and the rate an update actually used (`applied_learning_rate`).
+"""The optimizers behind optim.name (adamw, adafactor, lion, sgd, schedule_free; muon in muon.py),
+each behind global-norm clipping, with the learning-rate schedule of jaxtrain/train/schedules.py,
+the weight-decay mask (optim.weight_decay_mask), and the rate an update actually used
+(`applied_learning_rate`). docs/optim.md is the user's page.
 
-The optimizer's `update` takes a `skip` keyword (the train step's guard): a skipped step returns
-the old state, bitwise, and updates that the step discards. The state's tree is optax's adamw's.
+Every optimizer's `update` takes a `skip` keyword (the train step's guard): a skipped step returns
+the old state, bitwise, and updates that the step discards. adamw's state tree is optax's adamw's.
 """
-
 from __future__ import annotations
 
-import weakref
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
+from jaxtrain.model import llama
+# The learning-rate schedule (optim.schedule) lives in schedules.py; re-exported for its callers.
+from jaxtrain.train.schedules import learning_rate_schedule, schedule_steps  # noqa: F401
+from jaxtrain.train.skip_contract import (_guarded, _keep, guarded_adam, keeps_state_on_skip,  # noqa: F401
+                                          kept_on_skip)
 
 
-def schedule_steps(cfg: Config) -> tuple[int, int]:
-    """(warmup steps, total steps) of the learning-rate schedule: optim.decay_steps long, or
-    train.steps when that is unset. Past its end the rate stays at its final value."""
-    o = cfg.optim
-    total = o.decay_steps if o.decay_steps is not None else cfg.train.steps
-    warmup = min(o.warmup_steps, total)
-    return warmup, max(total, warmup + 1)
+# Logical axes that stack independent parameters rather than being one of a parameter's own dims: the
+# scanned layers (and the dense, MTP kinds of them) and a mixture of experts' experts.
+STACKING_AXES = ("layers", "dense_layers", "mtp_layers", "experts")
 
 
-def learning_rate_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to optim.learning_rate, then cosine decay to min_lr_ratio at optim.decay_steps
-    (default train.steps)."""
-    o = cfg.optim
-    warmup, total = schedule_steps(cfg)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
-        decay_steps=total, end_value=o.learning_rate * o.min_lr_ratio)
+def is_matrix(names: tuple) -> bool:
+    """Whether a parameter with logical axes `names` is a matrix: two or more dims of its own.
+
+    Not counted: the stacking axes (STACKING_AXES: one matrix per layer and per expert), and
+    `head_dim` beside `heads`/`kv_heads` (a projection's heads x head_dim is one output dim, as in
+    [D, N * H]). So wq [layers, D, N, H] and w_up [layers, E, D, F] are matrices; a bias bq
+    [layers, N, H], an expert bias [layers, E, F], norm scales and attention sinks are not.
+    """
+    own = [n for n in names if n not in STACKING_AXES]
+    if "head_dim" in own and ("heads" in own or "kv_heads" in own):
+        own.remove("head_dim")
+    return len(own) >= 2
+
+
+def _key_names(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def weight_decay_mask(rule: str, params: Any, logical: Any = None) -> Any:
+    """Which leaves of `params` decay (True) under optim.weight_decay_mask `rule`, as a tree like `params`.
+
+    all_but_norms: every parameter but those with 'norm' in a key of their path (norm scales);
+      embeddings, biases and sinks decay (the rule of every run before the key existed).
+    matrices: the parameters `is_matrix` names from their logical axes (`logical`: a tree of axis-name
+      tuples with `params`'s dict keys, `jaxtrain.model.llama.logical_axes`'s); no norms, biases, sinks
+      or per-expert biases; embeddings and the output head do decay.
+    none: nothing.
+    Every optimizer uses it (`make_optimizer`).
+    """
+    if rule == "all_but_norms":
+        return jax.tree_util.tree_map_with_path(lambda path, _: not any("norm" in k for k in _key_names(path)),
+                                                params)
+    if rule == "none":
+        return jax.tree_util.tree_map(lambda _: False, params)
+    if rule == "matrices":
+        if logical is None:
+            raise ValueError("weight_decay_mask('matrices') needs the parameters' logical axes")
+
+        def lookup(path, _):
+            node = logical
+            for k in path:  # by key, so that optax's params placeholders (no leaves) map too
+                node = node[getattr(k, "key", getattr(k, "idx", None))]
+            return is_matrix(tuple(node))
+        return jax.tree_util.tree_map_with_path(lookup, params)
+    raise ConfigError(f"config key 'optim.weight_decay_mask' must be all_but_norms, matrices or none, got '{rule}'")
+
+
+def model_logical_axes(cfg: Config) -> dict:
+    """The logical axes of cfg.model's parameters (shapes only: nothing is allocated)."""
+    return llama.model_logical_axes(cfg.model)
+
+
+def decay_mask_fn(cfg: Config) -> Callable[[Any], Any]:
+    """params -> `weight_decay_mask` under optim.weight_decay_mask, for cfg.model's parameter tree."""
+    rule = cfg.optim.weight_decay_mask
+    logical = model_logical_axes(cfg) if rule == "matrices" else None
+    return lambda params: weight_decay_mask(rule, params, logical)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; no weight decay on norm scales (1-D per layer)."""
+    """optim.name's optimizer behind global-norm clipping, with the learning-rate schedule and
+    decoupled weight decay (optim.weight_decay x the rate, on `weight_decay_mask`'s leaves).
+
+    Every optimizer keeps its state bitwise on `update(..., skip=True)` and holds the schedule's
+    count once (`applied_learning_rate`). adamw's state tree is optax.adamw's (checkpoints of every
+    earlier run restore). docs/optim.md describes each.
+    """
     o = cfg.optim
-
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
-
+    builders = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion, "sgd": _sgd,
+                "schedule_free": _schedule_free, "muon": _muon}
+    if o.name not in builders:
+        raise ConfigError(f"config key 'optim.name' must be one of {', '.join(builders)}, got '{o.name}'")
     parts = [clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
+    parts.append(builders[o.name](cfg, decay_mask_fn(cfg)))
+    return _guarded(optax.chain(*parts))
+
+
+def _adamw(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+    o = cfg.optim
     # optax.adamw's own chain (so its state tree, and checkpoints, stay the same), with the Adam
     # moments and the schedule's count kept on a skipped step.
-    parts.append(optax.chain(
+    return optax.chain(
         guarded_adam(o.b1, o.b2, o.eps),
-        optax.add_decayed_weights(o.weight_decay, decay_mask),
-        kept_on_skip(optax.scale_by_learning_rate(learning_rate_schedule(cfg)))))
-    return _guarded(optax.chain(*parts))
+        optax.add_decayed_weights(o.weight_decay, mask),
+        kept_on_skip(optax.scale_by_learning_rate(learning_rate_schedule(cfg))))
+
+
+def _adafactor(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+    """optax.adafactor's chain, but with the weight decay before the rate (decoupled, x the rate, as
+    AdamW's; optax adds it after, undamped) and no momentum."""
+    o = cfg.optim
+    parts = [optax.scale_by_factored_rms(decay_rate=o.adafactor_decay_rate,
+                                         min_dim_size_to_factor=o.adafactor_min_dim_to_factor),
+             optax.clip_by_block_rms(1.0)]
+    if o.adafactor_param_scale:
+        parts.append(optax.scale_by_param_block_rms())
+    parts += [optax.add_decayed_weights(o.weight_decay, mask),
+              optax.scale_by_learning_rate(learning_rate_schedule(cfg))]
+    return kept_on_skip(optax.chain(*parts))
+
+
+def _lion(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+    o = cfg.optim
+    return kept_on_skip(optax.lion(learning_rate_schedule(cfg), b1=o.lion_b1, b2=o.lion_b2,
+                                   weight_decay=o.weight_decay, mask=mask))
+
+
+def _sgd(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+    """SGD with (optionally Nesterov) momentum; the weight decay added after the momentum (decoupled)."""
+    o = cfg.optim
+    parts = [optax.trace(decay=o.sgd_momentum, nesterov=o.sgd_nesterov)] if o.sgd_momentum > 0 else []
+    parts += [optax.add_decayed_weights(o.weight_decay, mask),
+              optax.scale_by_learning_rate(learning_rate_schedule(cfg))]
+    return kept_on_skip(optax.chain(*parts))
+
+
+def _schedule_free(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+    """optax.contrib.schedule_free_adamw's construction (Adam without momentum inside schedule_free,
+    b1 the interpolation) with the decay mask and one schedule count. The parameters it trains are
+    y, the gradient point; the averaged x that the paper evaluates is `evaluation_params`."""
+    o = cfg.optim
+    schedule = learning_rate_schedule(cfg)
+    base = optax.chain(optax.scale_by_rms(decay=o.b2, eps=o.eps, eps_in_sqrt=False, bias_correction=True),
+                       optax.add_decayed_weights(o.weight_decay, mask),
+                       optax.scale_by_learning_rate(schedule))
+    return kept_on_skip(optax.contrib.schedule_free(base, learning_rate=schedule, b1=o.b1))
+
+
+def _muon(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+    try:
+        from jaxtrain.train import muon as muon_module
+    except ImportError:
+        muon_module = None
+    if muon_module is None or not hasattr(muon_module, "muon"):
+        raise ConfigError("optim.name=muon is not built yet (jaxtrain/train/muon.py)")
+    return muon_module.muon(cfg, mask)
+
+
+def evaluation_params(opt_state: Any, params: Any) -> Any:
+    """The parameters to evaluate or export: `params` itself, except under optim.name=schedule_free,
+    whose trained parameters are y and whose averaged x = (y - (1 - b1) z) / b1 is what the paper
+    evaluates (optax.contrib.schedule_free_eval_params). The trainer's evaluation and export use
+    `params` (y) as they are: docs/optim.md."""
+    is_sf = lambda x: isinstance(x, optax.contrib.ScheduleFreeState)
+    found = [s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_sf) if is_sf(s)]
+    return optax.contrib.schedule_free_eval_params(found[0], params) if found else params
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -69,59 +190,6 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         return jax.tree_util.tree_map(lambda g: g * factor.astype(g.dtype), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-# The update functions of optimizers whose `update(..., skip=True)` keeps their state (make_optimizer's).
-_KEEPS_STATE_ON_SKIP: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def _guarded(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
-    _KEEPS_STATE_ON_SKIP.add(tx.update)
-    return tx
-
-
-def keeps_state_on_skip(tx: optax.GradientTransformation) -> bool:
-    """True for optimizers (`make_optimizer`'s) whose `update(..., skip=True)` returns the old state
-    bitwise; any other optimizer ignores `skip`, and the step must select its state itself."""
-    return tx.update in _KEEPS_STATE_ON_SKIP
-
-
-def _keep(skip: jax.Array | bool, new: Any, old: Any) -> Any:
-    """`old` where `skip`, else `new`, leaf by leaf (bitwise: a selection, not arithmetic)."""
-    return jax.tree_util.tree_map(lambda n, o: jnp.where(skip, o, n), new, old)
-
-
-def kept_on_skip(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """`tx` whose state stays as it was when `update(..., skip=True)` (for small states: counts)."""
-    def update(updates, state, params=None, *, skip: jax.Array | bool = False, **extra):
-        updates, new_state = tx.update(updates, state, params)
-        return updates, _keep(skip, new_state, state)
-    return optax.GradientTransformationExtraArgs(tx.init, update)
-
-
-def guarded_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformationExtraArgs:
-    """optax.scale_by_adam (same state, same arithmetic) whose moments stay as they were on
-    `update(..., skip=True)`.
-
-    The moments are selected first and the updates computed from the *selected* moments (equal to
-    the new ones unless skipped; the step discards a skipped step's updates). Selecting afterwards,
-    `where(skip, old, new)` over optax's state, leaves two readers of each old moment (the new
-    moment, written in place into the donated buffer, and the update): XLA then copies every large
-    moment first (docs/memory.md). Here each moment is read once, by its own fused select.
-    """
-    inner = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-
-    def update(updates, state, params=None, *, skip: jax.Array | bool = False, **extra):
-        _, new = inner.update(updates, state, params)  # only its state is used
-        kept = optax.ScaleByAdamState(count=_keep(skip, new.count, state.count), mu=_keep(skip, new.mu, state.mu),
-                                      nu=_keep(skip, new.nu, state.nu))
-        # optax.scale_by_adam's update, from the kept moments and count.
-        mu_hat = optax.tree.bias_correction(kept.mu, b1, kept.count)
-        nu_hat = optax.tree.bias_correction(kept.nu, b2, kept.count)
-        out = jax.tree_util.tree_map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu_hat, nu_hat)
-        return out, kept
-
-    return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 def applied_learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:

@@ -152,8 +152,10 @@ def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     optimizer = make_optimizer(cfg)
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    # Optimizer moments shard like their parameters; counters and the like are replicated.
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, shardings,
+    # Optimizer moments shard like their parameters; counters and the like are replicated, and so
+    # are param-tree leaves of another shape (adafactor's factored row and column statistics).
+    opt_shardings = optax.tree_map_params(optimizer, lambda x, s, p: s if x.shape == p.shape else replicated,
+                                          abstract_opt, shardings, abstract_params,
                                           transform_non_params=lambda _: replicated)
     state_shardings = {"step": replicated, "params": shardings, "opt_state": opt_shardings, "rng": replicated,
                        "loss_scale": {"scale": replicated, "good_steps": replicated},
