@@ -20,10 +20,18 @@ of the rest; nu: Adam's second moment, kept zero for matrices), then optax's wei
 and the schedule's ScaleByScheduleState (its count is `applied_learning_rate`'s). Every state
 leaf is param-shaped or a scalar, so `optax.tree_map_params` shards it like the parameters.
 `update(..., skip=True)` keeps the whole state bitwise.
+
+Under a mesh (`muon(cfg, mask, part)` with a `Partitioning`) each matrix leaf is resharded before
+the iteration so that its matrix dimensions are whole on every device (`iteration_spec`): the mesh
+axes that split them move onto the batch axes (layers, experts) where those divide (one all-to-all
+there and back: each device orthogonalises whole matrices of its own layers), and the rest are
+gathered once (each device then iterates redundantly; back is a slice). The iteration itself then
+runs without collectives; without this XLA re-gathers a split matrix in every Newton-Schulz step.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -31,8 +39,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.model.llama import model_logical_axes
+from jaxtrain.parallel.sharding import Partitioning, fitted_spec
 from jaxtrain.train.schedules import learning_rate_schedule
 from jaxtrain.train.skip_contract import kept_on_skip
 
@@ -80,8 +91,46 @@ def _fallback_dims(path: tuple, x: Any) -> Optional[MatrixDims]:
 
 def model_matrix_dims(cfg: Config) -> dict:
     """{param path (tuple of keys): MatrixDims or None} for the model `cfg` builds (shapes only)."""
+    return {key: matrix_dims(names) for key, names in _model_names(cfg).items()}
+
+
+def _model_names(cfg: Config) -> dict:
+    """{param path (tuple of keys): logical axis names} for the model `cfg` builds (shapes only)."""
     flat = jax.tree_util.tree_flatten_with_path(model_logical_axes(cfg.model), is_leaf=lambda n: isinstance(n, tuple))[0]
-    return {tuple(str(getattr(k, "key", k)) for k in path): matrix_dims(n) for path, n in flat}
+    return {tuple(str(getattr(k, "key", k)) for k in path): tuple(n) for path, n in flat}
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def iteration_spec(spec: P, shape: tuple[int, ...], dims: MatrixDims, mesh_sizes: dict[str, int]) -> Optional[P]:
+    """Where the Newton-Schulz iteration of a matrix stack runs: the PartitionSpec, from the
+    parameter's `spec`, under which every matrix is whole on each device; None when `spec`
+    already splits no matrix dimension (nothing to move).
+
+    Rule: each mesh axis (of size > 1) that splits a matrix dimension moves onto a batch axis
+    (layers, experts) whose size it divides (with the axes already there), choosing the placement
+    that distributes the most devices; an axis that divides no batch axis is dropped (the matrix
+    is gathered over it once and each of its devices iterates redundantly). A moved axis costs one
+    all-to-all of the shard each way; a dropped one an all-gather before and a slice after."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    split = [a for i in dims.rows + dims.cols for a in _entry_axes(entries[i]) if mesh_sizes.get(a, 1) > 1]
+    if not split:
+        return None
+    best, best_ways = [None] * len(split), 1
+    for choice in itertools.product([None, *dims.batch], repeat=len(split)):
+        placed = {b: math.prod(mesh_sizes[a] for a, c in zip(split, choice) if c == b) for b in dims.batch}
+        ok = all(shape[b] % (math.prod(mesh_sizes.get(a, 1) for a in _entry_axes(entries[b])) * placed[b]) == 0
+                 for b in dims.batch)
+        ways = math.prod(placed.values()) if placed else 1
+        if ok and ways > best_ways:  # strictly more: of equal ones the first in this order wins
+            best, best_ways = list(choice), ways
+    out = [None if i in dims.rows + dims.cols else entries[i] for i in range(len(shape))]
+    for b in dims.batch:
+        axes = _entry_axes(entries[b]) + tuple(a for a, c in zip(split, best) if c == b)
+        out[b] = None if not axes else axes[0] if len(axes) == 1 else axes
+    return P(*out)
 
 
 def orthogonalise(x: jax.Array, dims: MatrixDims, coeffs: tuple[float, float, float], steps: int,
@@ -126,11 +175,13 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon_adam(dims_of: Any, *, momentum: float, nesterov: bool, ns_steps: int,
-                       ns_coeffs: tuple[float, float, float], b1: float, b2: float, eps: float
-                       ) -> optax.GradientTransformationExtraArgs:
+                       ns_coeffs: tuple[float, float, float], b1: float, b2: float, eps: float,
+                       shardings_of: Any = None) -> optax.GradientTransformationExtraArgs:
     """Muon's direction for the matrices, Adam's for the rest; the state kept on `skip=True`.
 
-    `dims_of(path, leaf) -> MatrixDims | None` says which leaf is a matrix. As in `guarded_adam`,
+    `dims_of(path, leaf) -> MatrixDims | None` says which leaf is a matrix. `shardings_of(path,
+    leaf, dims) -> (iteration sharding, parameter sharding) | None`, when given, places each
+    matrix's iteration (`iteration_spec`) and its update back like the parameter. As in `guarded_adam`,
     the moments are selected first and the update computed from the selected moments, so each old
     moment has one reader (no copies of the large buffers)."""
     def init(params):
@@ -158,7 +209,16 @@ def scale_by_muon_adam(dims_of: Any, *, momentum: float, nesterov: bool, ns_step
                          + (1 - momentum) * bc(g, momentum, count))
             else:
                 m_hat = bc(m, momentum, count)
-            return orthogonalise(m_hat, d, ns_coeffs, ns_steps) * _rms_scale(g, d), m, v
+            placed = shardings_of(path, g, d) if shardings_of is not None else None
+            if placed is not None:  # whole matrices per device before the loop, the parameter's layout after
+                # Pinned in the parameter's layout first: else XLA moves the constraint back onto
+                # m_hat's inputs and reshards both the momentum and the gradient (twice the bytes).
+                m_hat = jax.lax.with_sharding_constraint(m_hat, placed[1])
+                m_hat = jax.lax.with_sharding_constraint(m_hat, placed[0])
+            o = orthogonalise(m_hat, d, ns_coeffs, ns_steps)
+            if placed is not None:  # the same on the way back: else the last step's operands move
+                o = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(o, placed[0]), placed[1])
+            return o * _rms_scale(g, d), m, v
 
         treedef = jax.tree_util.tree_structure(updates)
         triples = treedef.flatten_up_to(jax.tree_util.tree_map_with_path(leaf, updates, state.mu, state.nu))
@@ -168,10 +228,13 @@ def scale_by_muon_adam(dims_of: Any, *, momentum: float, nesterov: bool, ns_step
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def muon(cfg: Config, decay_mask: Any) -> optax.GradientTransformationExtraArgs:
+def muon(cfg: Config, decay_mask: Any, part: Optional[Partitioning] = None) -> optax.GradientTransformationExtraArgs:
     """Muon on the hidden matrices, AdamW (optim.b1, b2, eps) on the rest, then decoupled weight
     decay on `decay_mask`'s parameters and the learning-rate schedule (one ScaleByScheduleState).
     `update(..., skip=True)` keeps the whole state bitwise. Clipping is make_optimizer's.
+
+    `part`: the mesh and rules the parameters are sharded by (`build_layout`'s); with a mesh, each
+    model matrix is resharded for its iteration (`iteration_spec`). None (or no mesh): no constraint.
 
     Raises:
       ConfigError: optim.qk_clip > 0 (MuonClip is not built).
@@ -189,9 +252,22 @@ def muon(cfg: Config, decay_mask: Any) -> optax.GradientTransformationExtraArgs:
         d = known[key]
         return d if d is not None and len(d.batch + d.rows + d.cols) == x.ndim else None
 
+    shardings_of = None
+    if part is not None and part.mesh is not None and part.mesh.size > 1:
+        names_of, mesh = _model_names(cfg), part.mesh
+        sizes = dict(mesh.shape)
+
+        def shardings_of(path, x, d):
+            names = names_of.get(tuple(str(getattr(k, "key", k)) for k in path))
+            if names is None or len(names) != x.ndim:  # not the model's tree: leave it to XLA
+                return None
+            spec = fitted_spec(names, x.shape, mesh, part.rules)
+            target = iteration_spec(spec, x.shape, d, sizes)
+            return None if target is None else (NamedSharding(mesh, target), NamedSharding(mesh, spec))
+
     direction = scale_by_muon_adam(dims_of, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
                                    ns_steps=o.muon_ns_steps, ns_coeffs=(o.muon_ns_a, o.muon_ns_b, o.muon_ns_c),
-                                   b1=o.b1, b2=o.b2, eps=o.eps)
+                                   b1=o.b1, b2=o.b2, eps=o.eps, shardings_of=shardings_of)
     return optax.chain(direction, optax.add_decayed_weights(o.weight_decay, decay_mask),
                        kept_on_skip(optax.scale_by_learning_rate(learning_rate_schedule(cfg))))
 

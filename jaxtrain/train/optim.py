@@ -16,6 +16,7 @@ import optax
 
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.model import llama
+from jaxtrain.parallel.sharding import Partitioning
 # The learning-rate schedule (optim.schedule) lives in schedules.py; re-exported for its callers.
 from jaxtrain.train.schedules import learning_rate_schedule, schedule_steps  # noqa: F401
 from jaxtrain.train.skip_contract import (_guarded, _keep, guarded_adam, keeps_state_on_skip,  # noqa: F401
@@ -86,9 +87,11 @@ def decay_mask_fn(cfg: Config) -> Callable[[Any], Any]:
     return lambda params: weight_decay_mask(rule, params, logical)
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, part: Partitioning | None = None) -> optax.GradientTransformation:
     """optim.name's optimizer behind global-norm clipping, with the learning-rate schedule and
     decoupled weight decay (optim.weight_decay x the rate, on `weight_decay_mask`'s leaves).
+    `part`: the parameters' mesh and rules, which muon uses to place its Newton-Schulz iteration
+    (the others ignore it; None: no placement).
 
     Every optimizer keeps its state bitwise on `update(..., skip=True)` and holds the schedule's
     count once (`applied_learning_rate`). adamw's state tree is optax.adamw's (checkpoints of every
@@ -96,7 +99,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """
     o = cfg.optim
     builders = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion, "sgd": _sgd,
-                "schedule_free": _schedule_free, "muon": _muon}
+                "schedule_free": _schedule_free, "muon": lambda c, mask: _muon(c, mask, part)}
     if o.name not in builders:
         raise ConfigError(f"config key 'optim.name' must be one of {', '.join(builders)}, got '{o.name}'")
     parts = [clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
@@ -155,14 +158,14 @@ def _schedule_free(cfg: Config, mask: Callable) -> optax.GradientTransformationE
     return kept_on_skip(optax.contrib.schedule_free(base, learning_rate=schedule, b1=o.b1))
 
 
-def _muon(cfg: Config, mask: Callable) -> optax.GradientTransformationExtraArgs:
+def _muon(cfg: Config, mask: Callable, part: Partitioning | None = None) -> optax.GradientTransformationExtraArgs:
     try:
         from jaxtrain.train import muon as muon_module
     except ImportError:
         muon_module = None
     if muon_module is None or not hasattr(muon_module, "muon"):
         raise ConfigError("optim.name=muon is not built yet (jaxtrain/train/muon.py)")
-    return muon_module.muon(cfg, mask)
+    return muon_module.muon(cfg, mask, part)
 
 
 def evaluation_params(opt_state: Any, params: Any) -> Any:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config
 from jaxtrain.model.llama import Transformer, logical_axes
-from jaxtrain.parallel.sharding import batch_sharding, param_shardings
+from jaxtrain.parallel.sharding import Partitioning, batch_sharding, param_shardings
 from jaxtrain.train.optim import make_optimizer
 from jaxtrain.train.precision import compute_dtype, init_loss_scale
 from jaxtrain.train.stability import init_statistics
@@ -149,7 +149,7 @@ def build_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     logical = logical_axes(abstract_params)
     abstract_params = nnx.to_pure_dict(abstract_params)
     shardings = param_shardings(logical, abstract_params, mesh, cfg.mesh.rules)
-    optimizer = make_optimizer(cfg)
+    optimizer = make_optimizer(cfg, Partitioning(mesh, cfg.mesh.rules))  # muon places its iteration by it
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     # Optimizer moments shard like their parameters; counters and the like are replicated, and so

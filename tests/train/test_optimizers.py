@@ -76,10 +76,13 @@ def test_tiny_config_reaches_the_entropy_floor(tmp_path, name):
 # ----------------------------------------------------------------------------- the skip contract
 
 
-@pytest.mark.parametrize("name", ["adamw", *OTHERS])
-def test_a_skipped_step_keeps_the_optimizer_state_bitwise(tmp_path, name):
+@pytest.mark.parametrize("policy", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", ["adamw", *OTHERS, "muon"])
+def test_a_skipped_step_keeps_the_optimizer_state_bitwise(tmp_path, name, policy):
+    """Also under fp16's dynamic loss scaling: the NaN step is skipped (the scale halves), the
+    optimizer never sees its gradients."""
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}", *SMALL, *overrides(name), "train.steps=5",
-                             "chaos.nan_at_steps=[3]", "optim.warmup_steps=0"])
+                             "chaos.nan_at_steps=[3]", "optim.warmup_steps=0", f"precision.policy={policy}"])
     t = Trainer(cfg, write_files=False, devices=jax.devices()[:1])
     t.step()
     before = host(t.state)
