@@ -9,6 +9,7 @@ import os
 import posixpath
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -227,8 +228,20 @@ def writing(tmp: Path) -> Iterator[Path]:
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_settled(tmp)
         raise
+
+
+def _remove_settled(folder: Path, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
+    """Remove `folder` until it stays gone for `settle_s`: after an interrupt (Ctrl-C) in the middle
+    of a checkpoint write, tensorstore's own threads finish the writes they had begun and recreate
+    the folders they write into (seen: the import's temporary folder left behind)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shutil.rmtree(folder, ignore_errors=True)
+        time.sleep(settle_s)
+        if not folder.exists() or time.monotonic() > deadline:
+            return
 
 
 def copy_tokenizer(src: str | Path, dst: Path) -> list[str]:

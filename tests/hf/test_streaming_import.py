@@ -182,13 +182,14 @@ def test_non_finite_weights_found_while_writing_leave_nothing(tmp_path):
 
 
 def test_interrupted_import_leaves_no_output(wide, tmp_path):
-    """Ctrl-C while the checkpoint's arrays are being written: neither the output nor the
-    temporary folder is left."""
+    """Ctrl-C while the checkpoint's arrays are being written (Orbax's temporary folders): neither
+    the output nor the temporary folder is left. (Waiting for a file under the committed `state/`
+    raced the import's end: that name appears only at the final rename.)"""
     out = tmp_path / "imported"
     proc = subprocess.Popen([sys.executable, "-m", "jaxtrain", "import-hf", os.fspath(wide), "--output", os.fspath(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".imported.partial-*/checkpoints/*/state/ocdbt.process_0/d/*")):
+    while not list(tmp_path.glob(".imported.partial-*/checkpoints/*.orbax-checkpoint-tmp/state*/ocdbt.process_0/d")):
         assert proc.poll() is None and time.monotonic() < deadline, "the import never started writing arrays"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
