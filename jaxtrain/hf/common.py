@@ -30,6 +30,17 @@ def _float_field(hf: dict, name: str, value: Any) -> float:
     return float(value)
 
 
+def rope_params(hf: dict) -> tuple[dict, str]:
+    """(the rope settings, the field they came from) in either config layout: transformers 5's
+    `rope_parameters`, or 4.x's `rope_scaling` (with `rope_theta` at the top level)."""
+    params, where = hf.get("rope_parameters"), "rope_parameters"
+    if params is None:
+        params, where = hf.get("rope_scaling"), "rope_scaling"
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"config.json field '{where}' must be a mapping, got {params!r}")
+    return dict(params or {}), where
+
+
 def _flag(hf: dict, name: str, default: bool) -> bool:
     value = hf.get(name, default)
     if not isinstance(value, bool):

@@ -125,14 +125,9 @@ def model_section(hf: dict) -> dict:
 def _rope_from_hf(hf: dict) -> dict:
     """The rotary keys: the default rope, or YaRN with DeepSeek's mscale / mscale_all_dim (transformers
     5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`); any other rope type is refused."""
-    from jaxtrain.hf.common import _float_field, _int_field
+    from jaxtrain.hf.common import _float_field, _int_field, rope_params
 
-    params, where = hf.get("rope_parameters"), "rope_parameters"
-    if params is None:
-        params, where = hf.get("rope_scaling"), "rope_scaling"
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"config.json field '{where}' must be a mapping, got {params!r}")
-    params = dict(params or {})
+    params, where = rope_params(hf)
     theta = _float_field(hf, f"{where}.rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":

@@ -90,13 +90,7 @@ def yarn_from_hf(params: dict, hf: dict, where: str) -> dict:
 
 def _rope_from_hf(hf: dict) -> dict:
     """gpt-oss's one rope (every layer): default or yarn, rope_theta 150000 unless given."""
-    params = hf.get("rope_parameters")
-    where = "rope_parameters"
-    if params is None:
-        params, where = hf.get("rope_scaling"), "rope_scaling"
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"config.json field '{where}' must be a mapping, got {params!r}")
-    params = dict(params or {})
+    params, where = common.rope_params(hf)
     theta = common._float_field(hf, f"{where}.rope_theta", params.get("rope_theta", hf.get("rope_theta", _THETA)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):

@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.hf.common import (_CARRIED_FIELDS, _LAYER, HF_DTYPE_NAMES, _aux_loss_from_hf, _Convert, _flag,
-                                 _float_field, _int_field)
+                                 _float_field, _int_field, rope_params)
 from jaxtrain.hf import deepseek_v3, gpt_oss  # the families beyond Llama's layout (they build on hf.common)
 
 # ----------------------------------------------------------------------------- config mapping
@@ -62,13 +62,7 @@ def _rope_from_hf(hf: dict) -> dict:
     transformers 4.x: top-level `rope_theta` and `rope_scaling: {rope_type (or type), factor, ...}`.
     transformers 5.x: `rope_parameters: {rope_theta, rope_type, factor, ...}`.
     """
-    params = hf.get("rope_parameters")
-    where = "rope_parameters"
-    if params is None:
-        params, where = hf.get("rope_scaling"), "rope_scaling"
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"config.json field '{where}' must be a mapping, got {params!r}")
-    params = dict(params or {})
+    params, where = rope_params(hf)
     if params and all(isinstance(v, dict) for v in params.values()):  # per-layer-type rope (not Llama)
         raise ConfigError(f"config.json field '{where}' holds one rope setting per layer type "
                           f"({', '.join(params)}); jaxtrain's Llama uses one rope for all layers")

@@ -18,11 +18,9 @@ from jaxtrain.model.llama import Transformer
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("config, overrides", [
-    ("qwen3-0.6b", ("model.num_layers=2", "data.seq_len=256", "data.global_batch_size=8")),
-    ("gemma3-1b", ("model.num_layers=6", "data.seq_len=1024", "data.global_batch_size=8")),
-])
-def test_family_preset_compiles_from_shapes(config, overrides):
+def inspected(config: str, overrides: tuple[str, ...]) -> tuple[dict, object]:
+    """(`jaxtrain inspect --json` of configs/<config>.yaml on 8 simulated devices, the config), with
+    the checks every preset shares: the parameters counted from shapes, memory reported."""
     r = subprocess.run([sys.executable, "-m", "jaxtrain", "inspect", "--config", str(REPO / f"configs/{config}.yaml"),
                         "--json", "--cpu-devices", "8", *overrides], capture_output=True, text=True, timeout=900,
                        cwd=REPO)
@@ -31,7 +29,17 @@ def test_family_preset_compiles_from_shapes(config, overrides):
     cfg = load_config(REPO / f"configs/{config}.yaml", list(overrides))
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     assert report["params"] == sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(abstract, nnx.Param)))
-    assert report["devices"] == 8 and report["peak_memory_bytes_per_device"] > report["memory_bytes_per_device"]["arguments"] > 0 and report["flops_per_step"] > 0
+    assert report["peak_memory_bytes_per_device"] > report["memory_bytes_per_device"]["arguments"] > 0
+    return report, cfg
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("qwen3-0.6b", ("model.num_layers=2", "data.seq_len=256", "data.global_batch_size=8")),
+    ("gemma3-1b", ("model.num_layers=6", "data.seq_len=1024", "data.global_batch_size=8")),
+])
+def test_family_preset_compiles_from_shapes(config, overrides):
+    report, _ = inspected(config, overrides)
+    assert report["devices"] == 8 and report["flops_per_step"] > 0
 
 
 # gpt-oss: (published total, published active) parameters (OpenAI's model card: 20.91B / 3.61B and
@@ -54,15 +62,7 @@ def test_gpt_oss_preset_has_the_published_counts_and_compiles_from_shapes(config
     assert abs(matmul_params(full.model) / active - 1) < 0.005
     overrides = ("model.num_layers=2", "mesh.fsdp=1", "mesh.expert=8", "mesh.dcn_expert=1", "data.seq_len=256",
                  "data.global_batch_size=8", "precision.policy=fp32")
-    r = subprocess.run([sys.executable, "-m", "jaxtrain", "inspect", "--config", str(REPO / f"configs/{config}.yaml"),
-                        "--json", "--cpu-devices", "8", *overrides], capture_output=True, text=True, timeout=900,
-                       cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout)
-    cfg = load_config(REPO / f"configs/{config}.yaml", list(overrides))
-    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    assert report["params"] == sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(abstract, nnx.Param)))
-    assert report["peak_memory_bytes_per_device"] > report["memory_bytes_per_device"]["arguments"] > 0
+    report, cfg = inspected(config, overrides)
     moe, D, E = report["moe"], 2880, cfg.model.num_experts
     assert moe["expert_ways"] == 8
     # 2 layers x E/8 experts x (3 matrices of 2880 x 2880 + b_gate, b_up, b_down of 2880), fp32.
@@ -93,15 +93,7 @@ def test_deepseek_v3_preset_has_the_published_counts_and_compiles_from_shapes():
     assert abs(matmul_params(full.model) / active - 1) < 0.02
     overrides = ("model.num_layers=4", "mesh.fsdp=1", "mesh.dcn_fsdp=1", "mesh.expert=8", "mesh.dcn_expert=1",
                  "data.seq_len=256", "data.global_batch_size=8", "precision.policy=fp32")
-    r = subprocess.run([sys.executable, "-m", "jaxtrain", "inspect", "--config",
-                        str(REPO / "configs/deepseek-v3-671b.yaml"), "--json", "--cpu-devices", "8", *overrides],
-                       capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout)
-    cfg = load_config(REPO / "configs/deepseek-v3-671b.yaml", list(overrides))
-    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    assert report["params"] == sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(abstract, nnx.Param)))
-    assert report["peak_memory_bytes_per_device"] > report["memory_bytes_per_device"]["arguments"] > 0
+    report, cfg = inspected("deepseek-v3-671b", overrides)
     moe, D, F, E, k = report["moe"], 7168, 2048, cfg.model.num_experts, cfg.model.experts_per_token
     assert moe["expert_ways"] == 8
     assert moe["expert_weight_bytes_per_device"] == E // 8 * 3 * D * F * 4  # 1 MoE layer, fp32
