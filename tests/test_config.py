@@ -107,6 +107,10 @@ def jaxtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["model.attention=pallas", "mesh.data=2", "mesh.fsdp=4", "mesh.rules={length: fsdp}"],
      "each shard would attend only within its chunk"),
     (["model.sliding_window=4", "mesh.context=2", "mesh.data=4"], "model.sliding_window=4 with mesh.context=2"),
+    (["model.num_experts=4", "model.moe_router=sigmoid", "model.moe_norm_topk_prob=false"],
+     "model.moe_norm_topk_prob=false is for model.moe_router=softmax"),
+    (["model.sliding_window=4", "model.sliding_window_pattern=3", "model.num_layers=6", "mesh.stage=2",
+      "pipeline.microbatches=2"], "model.sliding_window_pattern=3 with mesh.stage=2"),
 ])
 def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"

@@ -1,9 +1,9 @@
 """Gemma 3 text (Gemma3ForCausalLM) import/export against transformers itself: random small models
 (7 layers, local and global layers mixed, a window of 4 on rows of 16, GQA, every weight moved off
 its init, the four norms per layer and q/k norms included), jaxtrain's forward equal to
-transformers' logits (fp32, <= 1e-4) on plain and packed rows, import -> export bitwise,
-transformers loads the export with equal logits. What jaxtrain cannot represent is refused by name
-(CLI: one line, exit 2)."""
+transformers' logits (fp32, <= 1e-4) on plain and packed rows, import -> export bitwise (the
+tokenizer and generation config byte for byte), transformers loads the export with equal logits.
+What jaxtrain cannot represent is refused by name (CLI: one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,17 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from jaxtrain.commands import cli
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.hf.mapping import hf_config_from_model
-from test_qwen3 import assert_import_refused, assert_transformers_logits_and_bitwise_round_trip, hf_logits, jax_model
+from test_qwen3 import (CARRIED, assert_import_refused, assert_transformers_logits_and_bitwise_round_trip, hf_logits,
+                        jax_model, write_tokenizer_and_generation_config)
 
 VOCAB = 80
 TOKENS = np.random.default_rng(5).integers(0, VOCAB, (2, 16))
 DOCS = [[7, 9], [5, 5, 6]]  # the packed rows' documents (each longer than the window somewhere)
 WINDOW = 4
 RMS_EPS = 3e-6
+# Gemma 3's generation_config.json: two eos ids (<eos> and <end_of_turn>), the hybrid cache.
+GENERATION = {"bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106], "pad_token_id": 0,
+              "top_k": 64, "top_p": 0.95, "transformers_version": "4.50.0.dev0"}
 
 
 def pattern_types(layers: int, every: int) -> list[str]:
@@ -70,6 +74,7 @@ def make_gemma3(path: Path, extra: dict, *, seed: int = 0) -> Path:
 def test_gemma3_import_equals_transformers_plain_and_packed_and_round_trips_bitwise(variant, tmp_path):
     extra, pattern = VARIANTS[variant]
     src = make_gemma3(tmp_path / "src", extra)
+    write_tokenizer_and_generation_config(src, GENERATION)
     out, exported = tmp_path / "imported", tmp_path / "exported"
     assert cli.main(["import-hf", str(src), "--output", str(out)]) == 0
     m = load_config(out / "config.yaml", need_data=False).model
@@ -82,7 +87,7 @@ def test_gemma3_import_equals_transformers_plain_and_packed_and_round_trips_bitw
     assert_transformers_logits_and_bitwise_round_trip(src, out, exported, TOKENS, DOCS, (
         "architectures", "model_type", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
         "layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation", "bos_token_id", "eos_token_id",
-        "pad_token_id"))
+        "pad_token_id"), CARRIED)
 
 
 def test_the_window_and_the_local_rope_are_read_not_ignored(tmp_path):

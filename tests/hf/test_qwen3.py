@@ -2,8 +2,9 @@
 itself: random small models (GQA, head_dim given apart from hidden_size / heads, every weight moved
 off its init, q_norm/k_norm included; MoE: 4 experts, top-2, norm_topk_prob true and false, dense
 layers among the MoE ones), jaxtrain's forward equal to transformers' logits (fp32, <= 1e-4) on
-plain and packed rows, import -> export bitwise, transformers loads the export with equal logits.
-What the model cannot represent is refused by name (CLI: one line, exit 2)."""
+plain and packed rows, import -> export bitwise (the tokenizer and generation config byte for byte),
+transformers loads the export with equal logits. What the model cannot represent is refused by name
+(CLI: one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ from jaxtrain.commands import cli
 from jaxtrain.config import ConfigError, ModelConfig, load_config
 from jaxtrain.hf.mapping import hf_config_from_model, layer_slots, model_section_from_hf, moe_layer_pattern
 from jaxtrain.model.llama import Transformer
-from test_hf import jax_params
+from test_hf import jax_params, write_tokenizer
 
 VOCAB = 80
 TOKENS = np.random.default_rng(3).integers(0, VOCAB, (2, 24))
 DOCS = [[7, 10, 7], [12, 12]]  # the packed rows: each row's documents' lengths (sum 24)
 RMS_EPS = 3e-6  # neither jaxtrain's nor transformers' default: an unmapped field would show
+# Qwen3's own generation_config.json (two eos ids, sampling defaults): export must carry it as it is.
+GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+              "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
+# What import-hf -> export-hf must carry through byte for byte beside the weights.
+CARRIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 # name -> (MoE keywords or None for dense, tied). The MoE patterns are ones jaxtrain represents:
 # decoder_sparse_step=2 (dense, MoE, dense, MoE: model.moe_every=2) and mlp_only_layers=[0]
@@ -61,6 +67,13 @@ def make_qwen3(path: Path, moe: dict | None = None, *, tied: bool = False, seed:
     return path
 
 
+def write_tokenizer_and_generation_config(path: Path, generation: dict) -> None:
+    """A tokenizer (tokenizer.json, tokenizer_config.json) and the family's generation_config.json
+    beside a saved model, replacing the one save_pretrained wrote."""
+    write_tokenizer(path)
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
 def hf_logits(path: Path, tokens: np.ndarray = TOKENS) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -80,11 +93,13 @@ def packed(docs_per_row: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def assert_transformers_logits_and_bitwise_round_trip(src: Path, out: Path, exported: Path, tokens: np.ndarray,
-                                                      docs: list[list[int]], config_keys: tuple[str, ...]) -> None:
+                                                      docs: list[list[int]], config_keys: tuple[str, ...],
+                                                      carried: tuple[str, ...] = ()) -> None:
     """The imported run `out` of the transformers model `src`: its forward pass equals transformers' logits
     (fp32, 1e-4) on plain rows and on packed rows (each document against transformers on it alone); export-hf
-    to `exported` gives the same tensors bit for bit, keeps `config_keys`, and transformers loads it into the
-    same logits."""
+    to `exported` gives the same tensors bit for bit, keeps `config_keys`, writes the files named in `carried`
+    (tokenizer, generation config) byte for byte as `src` has them, and transformers loads it into the same
+    logits."""
     expected = hf_logits(src, tokens)
     model = jax_model(out)
     got = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
@@ -108,6 +123,8 @@ def assert_transformers_logits_and_bitwise_round_trip(src: Path, out: Path, expo
     a, b = json.loads((src / "config.json").read_text()), json.loads((exported / "config.json").read_text())
     for key in config_keys:
         assert a[key] == b[key], key
+    for name in carried:
+        assert (exported / name).read_bytes() == (src / name).read_bytes(), name
     np.testing.assert_array_equal(hf_logits(exported, tokens), expected)
 
 
@@ -115,6 +132,7 @@ def assert_transformers_logits_and_bitwise_round_trip(src: Path, out: Path, expo
 def test_qwen3_import_equals_transformers_plain_and_packed_and_round_trips_bitwise(variant, tmp_path):
     moe, tied = VARIANTS[variant]
     src = make_qwen3(tmp_path / "src", moe, tied=tied)
+    write_tokenizer_and_generation_config(src, GENERATION)
     out, exported = tmp_path / "imported", tmp_path / "exported"
     assert cli.main(["import-hf", str(src), "--output", str(out)]) == 0
     m = load_config(out / "config.yaml", need_data=False).model
@@ -128,7 +146,7 @@ def test_qwen3_import_equals_transformers_plain_and_packed_and_round_trips_bitwi
 
     keys = ("architectures", "model_type", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
             *(("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef") if moe else ()))
-    assert_transformers_logits_and_bitwise_round_trip(src, out, exported, TOKENS, DOCS, keys)
+    assert_transformers_logits_and_bitwise_round_trip(src, out, exported, TOKENS, DOCS, keys, CARRIED)
 
 
 def test_norm_topk_prob_changes_the_logits(tmp_path):

@@ -76,6 +76,21 @@ def test_context_parallel_train_step_equals_data_parallel(name, data8):
     assert_same_step(got, data8)
 
 
+# Qwen3's QK-norm and Gemma 3's layer without its window (windows with mesh.context > 1 are refused:
+# test_config.py): (1 + w) norms before and after attention and the MLP, GeGLU, scaled embeddings,
+# scores scaled by 1/sqrt(12), not 1/sqrt(head_dim=16).
+QK_NORM_GEMMA_LAYERS = ("model.qk_norm=true", "model.post_norms=true", "model.norm_plus_one=true",
+                        "model.embed_scale=true", "model.mlp_activation=gelu_tanh", "model.query_pre_attn_scalar=12")
+
+
+def test_context_parallel_train_step_equals_data_parallel_with_qk_norm_and_gemma_layers():
+    """context 2 x data 4 (zig-zag ring) against data 8, the same model: the per-head norms see each
+    context shard's own queries and keys, the scale and the extra norms change nothing across shards."""
+    got = run("model.attention=xla", "mesh.context=2", "mesh.data=4", *QK_NORM_GEMMA_LAYERS)
+    want = run("model.attention=xla", "mesh.data=8", *QK_NORM_GEMMA_LAYERS)
+    assert_same_step(got, want)
+
+
 SEQUENCE_PARALLEL = "mesh.rules={act_length: [context, tensor]}"
 SP_CASES = {
     "tensor2": ("mesh.tensor=2", "mesh.data=4"),

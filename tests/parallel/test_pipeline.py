@@ -69,6 +69,19 @@ LAYOUTS = {
     # 8 stages x 2 repeats need 16 layers (one per group).
     "stage8_circular": ["mesh.data=1", "mesh.stage=8", "pipeline.microbatches=8", "pipeline.repeats=2",
                         "model.num_layers=16"],
+    # Qwen3's QK-norm and Gemma 3's layer (the (1 + w) norms before and after attention and the MLP,
+    # GeGLU, scaled embeddings, the score scale, the local rope) with a window of 4 of 16 in every
+    # layer (mixed local and global layers under stages are refused: test_config.py).
+    "stage2_data4_gpipe_qknorm_gemma_window4": [
+        "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=4", "model.qk_norm=true", "model.sliding_window=4",
+        "model.sliding_window_pattern=0", "model.post_norms=true", "model.norm_plus_one=true",
+        "model.embed_scale=true", "model.mlp_activation=gelu_tanh", "model.query_pre_attn_scalar=12",
+        "model.rope_local_theta=500"],
+    # Qwen3-MoE's routing: softmax top-2 without renormalising (norm_topk_prob false), a dense layer
+    # before each MoE layer (the stages split the 4 MoE units), dropless dispatch.
+    "stage2_data4_gpipe_qwen3_moe_every2": [
+        "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=4", "model.qk_norm=true", "model.num_experts=4",
+        "model.moe_norm_topk_prob=false", "model.moe_every=2", "model.capacity_factor=0", "model.moe_mlp_dim=16"],
 }
 # Relative tolerances (gradients, losses; parameters after 3 steps get 10x): bf16 matmuls round
 # differently when the batch is split otherwise, fp32 agrees to float noise.
