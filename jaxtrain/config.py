@@ -656,6 +656,9 @@ class DataConfig:
     shuffle: bool = True  # shuffle rows with data.seed, a new order every epoch (false: file order)
     seed: int = 0  # seeds the global data order (independent of run.seed)
     prefetch: int = 2  # batches prepared ahead on background threads
+    # Processes that tokenize text files not yet in the token cache (null = one per CPU, at most 32; 0 = the
+    # opening process). Each file is tokenized once per host and kept under JAXTRAIN_DATA_CACHE.
+    tokenize_workers: Optional[int] = None
     eval: Optional[str] = None  # held-out path for the same source (file, directory or glob; null = none)
     eod_id: Optional[int] = None  # end-of-document id: token files without meta.json, or a JSON tokenizer's (null = auto)
     text_field: str = "text"  # text source: the field of each .jsonl line that holds the document
@@ -668,6 +671,8 @@ class DataConfig:
         for key in ("seq_len", "global_batch_size"):
             _require(f"data.{key}", getattr(self, key), getattr(self, key) > 0, "must be positive")
         _require("data.prefetch", self.prefetch + 1, self.prefetch + 1 > 0, "must be positive")
+        if self.tokenize_workers is not None:
+            _require("data.tokenize_workers", self.tokenize_workers, self.tokenize_workers >= 0, "must be >= 0")
         if self.source == "markov" and not 1 <= self.markov_branching <= self.markov_states:
             raise ConfigError(f"data.markov_branching={self.markov_branching} must be between 1 and data.markov_states")
         if not 0 <= self.seed < 2**32:

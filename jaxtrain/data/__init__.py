@@ -14,7 +14,8 @@ None when unknown), `last_wait_s` (seconds the last `next()` waited) and `num_ba
 batches in one pass, None when endless).
 
 Sources (`data.source`): `markov` (synthetic, known entropy floor), `tokens` (memory-mapped
-token files, see `sources.py`) and `text` (.txt/.jsonl tokenized at open). Packing is in
+token files, see `sources.py`), `text` (.txt/.jsonl) and the record sources (`documents.py`); text is
+tokenized once per host by worker processes and memory-mapped from the cache (`token_cache.py`). Packing is in
 `packing.py`, the ordered, sharded, prefetched iterator in `pipeline.py`, tokenizers in
 `tokenizer.py`, and `jaxtrain prepare-data` in `prepare.py`. docs/data.md has the whole story.
 """
@@ -27,7 +28,7 @@ from jaxtrain.config import Config, ConfigError, MixtureComponent
 from jaxtrain.data.markov import MarkovData
 from jaxtrain.data.packing import SequenceSource
 from jaxtrain.data.pipeline import PackedData, RowSource, TrainData
-from jaxtrain.data.sources import Corpus, open_text, open_tokens
+from jaxtrain.data.sources import Corpus, open_tokens
 from jaxtrain.data.tokenizer import load_tokenizer
 
 # The last eval rows opened, keyed by everything that decides their content: evaluation builds a
@@ -56,11 +57,12 @@ def open_corpus(cfg: Config, component: MixtureComponent, key: str) -> Corpus:
     if c.source == "tokens":
         return open_tokens(c.path, token_dtype=d.token_dtype, eod_id=d.eod_id, vocab_size=cfg.model.vocab_size, key=key)
     tokenizer = load_tokenizer(d.tokenizer, d.eod_id)
+    from jaxtrain.data.documents import open_documents, open_text  # pyarrow and array_record load only when read
     if c.source == "text":
-        return open_text(c.path, tokenizer, vocab_size=cfg.model.vocab_size, text_field=c.text_field, key=key)
-    from jaxtrain.data.documents import open_documents  # pyarrow and array_record load only for these sources
+        return open_text(c.path, tokenizer, vocab_size=cfg.model.vocab_size, text_field=c.text_field, key=key,
+                         workers=d.tokenize_workers)
     return open_documents(c.source, c.path, tokenizer=tokenizer, text_field=c.text_field, tokens_field=c.tokens_field,
-                          vocab_size=cfg.model.vocab_size, key=key)
+                          vocab_size=cfg.model.vocab_size, key=key, workers=d.tokenize_workers)
 
 
 def open_rows(cfg: Config, component: MixtureComponent, key: str) -> RowSource:

@@ -3,8 +3,9 @@ Hugging Face `datasets` files.
 
 - `iter_rows(source, spec, key)` yields `(where, row)` for every row in file order: `row` a dict of the
   row's fields, `where` "file:row" for messages. Chat and prompt/completion data read their rows here.
-- `open_documents(...)` (the record sources with `data.format: text`) gives a `Corpus`: each row's
-  `text_field` tokenized at open, or its `tokens_field` read as ids.
+- `open_text(...)` (.txt/.jsonl) and `open_documents(...)` (the record sources with `data.format: text`) give a
+  `Corpus`: each text tokenized once per host (`encode_documents` into `token_cache` entries, memory-mapped),
+  or a record's `tokens_field` read as ids.
 - `DocumentStream`: documents read by index as one stream of ids with the eod id after each, the
   form a `Corpus` holds a file of token-id documents in without reading it.
 
@@ -24,16 +25,15 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from jaxtrain.config import ConfigError
-from jaxtrain.data import arrayrecord_source, hf_datasets_source, parquet_source
+from jaxtrain.data import arrayrecord_source, hf_datasets_source, parquet_source, token_cache
 from jaxtrain.data.record_fields import TokenDocuments
 from jaxtrain.data.remote_files import local_files, source_url
-from jaxtrain.data.sources import Corpus, check_vocab, jsonl_rows
+from jaxtrain.data.sources import TEXT_SUFFIXES, Corpus, check_vocab, iter_documents, jsonl_rows
 from jaxtrain.data.tokenizer import Tokenizer
 
-_FORMATS: dict[str, ModuleType] = {"arrayrecord": arrayrecord_source, "parquet": parquet_source,
+FORMATS: dict[str, ModuleType] = {"arrayrecord": arrayrecord_source, "parquet": parquet_source,
                                    "hf_datasets": hf_datasets_source}
 _SIDECARS = {"arrayrecord": arrayrecord_source.SIDECARS, "parquet": (), "hf_datasets": hf_datasets_source.SIDECARS}
-_ENCODE_DOCS = 256  # documents per tokenizer call (as sources.tokenize_files)
 
 
 class DocumentStream:
@@ -89,7 +89,7 @@ class DocumentStream:
 
 def _files(source: str, spec: str, key: str) -> list[Path]:
     """The local files of a record source, in reading order (remote ones copied first)."""
-    fmt = _FORMATS[source]
+    fmt = FORMATS[source]
     if source == "hf_datasets":
         hf_datasets_source.refuse_dataset_dict(spec, key)
     files = local_files(spec, key, fmt.SUFFIXES, _SIDECARS[source])
@@ -110,6 +110,33 @@ def _named(path: Path) -> Iterator[None]:
         raise ConfigError(str(e).replace(str(path), url)) from None
 
 
+def row_files(source: str, spec: str, key: str) -> list[Path]:
+    """The local files of a source of rows, in reading order (remote ones copied first).
+
+    Raises:
+      ConfigError: missing files; a text file that is not .jsonl; a source that holds token ids, not rows.
+    """
+    if source == "text":
+        files = local_files(spec, key, (".jsonl",))
+        for f in files:
+            if f.suffix != ".jsonl":
+                raise ConfigError(f"{key}: '{source_url(f) or f}' is not a .jsonl file; rows of chat or "
+                                  "prompt/completion data are JSON lines")
+        return files
+    if source not in FORMATS:
+        raise ConfigError(f"{key}: data.source={source} has no rows (it holds token ids)")
+    return _files(source, spec, key)
+
+
+def file_rows(source: str, path: Path, key: str) -> Iterator[tuple[str, dict]]:
+    """Every row of one local file (from `row_files`) as `(where, fields)`, `where` naming its file and row."""
+    with _named(path):
+        if source == "text":
+            yield from jsonl_rows(path, key)
+        else:
+            yield from FORMATS[source].iter_rows(path, key)
+
+
 def iter_rows(source: str, spec: str, key: str) -> Iterator[tuple[str, dict]]:
     """Every row of the files `spec` names, in file order, as `(where, fields)`.
 
@@ -120,42 +147,78 @@ def iter_rows(source: str, spec: str, key: str) -> Iterator[tuple[str, dict]]:
     Raises:
       ConfigError: missing files, unreadable files or rows.
     """
-    if source == "text":
-        for f in local_files(spec, key, (".jsonl",)):
-            with _named(f):
-                if f.suffix != ".jsonl":
-                    raise ConfigError(f"{key}: '{f}' is not a .jsonl file; rows of chat or prompt/completion data "
-                                      "are JSON lines")
-                yield from jsonl_rows(f, key)
-        return
-    if source not in _FORMATS:
-        raise ConfigError(f"{key}: data.source={source} has no rows (it holds token ids)")
-    for f in _files(source, spec, key):
-        with _named(f):
-            yield from _FORMATS[source].iter_rows(f, key)
+    for f in row_files(source, spec, key):
+        yield from file_rows(source, f, key)
 
 
 # ----------------------------------------------------------------------------- documents
 
+_ENCODE_DOCS = 256  # documents per tokenizer call
 
-def _tokenize(batches: Iterator[list[str]], tokenizer: Tokenizer) -> np.ndarray:
-    """Texts tokenized in order, each followed by the eod id (empty ones left out), as one array."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32  # halves a small vocabulary's memory
+
+def _file_texts(source: str, path: Path, field: str, key: str) -> Iterator[list[str]]:
+    """One local file's texts in batches: a .jsonl line's `field` or a whole .txt file (text), else the format's."""
+    if source == "text":
+        docs = iter_documents(path, field, key)
+        while batch := list(itertools.islice(docs, _ENCODE_DOCS)):
+            yield batch
+        return
+    yield from FORMATS[source].texts(path, field, key)
+
+
+def encode_documents(encoding: token_cache.Encoding, path: Path, key: str, tokenizer: Tokenizer) -> token_cache.FileEncoding:
+    """One file's documents tokenized (a `token_cache.Encoder`): each non-empty text's ids, then the eod id."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32  # halves a small vocabulary's size
     eod = np.array([tokenizer.eod_id], dtype)
     parts: list[np.ndarray] = []
-    texts = itertools.chain.from_iterable(batches)
-    while batch := list(itertools.islice(texts, _ENCODE_DOCS)):
-        for ids in tokenizer.encode_batch([t for t in batch if t]):
-            if len(ids):
-                parts += [ids.astype(dtype), eod]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+    docs = 0
+    with _named(path):
+        for batch in _file_texts(encoding.source, path, encoding.text_field, key):
+            for ids in tokenizer.encode_batch([t for t in batch if t]):
+                if len(ids):
+                    parts += [ids.astype(dtype), eod]
+                    docs += 1
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
+    return token_cache.FileEncoding({"tokens": tokens}, {"documents": docs, "tokens": len(tokens),
+                                                         "max_id": int(tokens.max()) if docs else 0})
+
+
+
+
+def open_text(spec: str, tokenizer: Tokenizer, *, vocab_size: int, text_field: str = "text",
+              key: str = "data.path", workers: Optional[int] = None) -> Corpus:
+    """The text/jsonl files named by `spec` as a corpus, tokenized once per host (`token_cache`).
+
+    Args:
+      spec: file, directory (its .txt and .jsonl files) or glob.
+      tokenizer: from `load_tokenizer(data.tokenizer)`.
+      vocab_size: model.vocab_size; every id must be below it.
+      text_field: the field of a .jsonl line that holds the document.
+      key: config key named in error messages.
+      workers: data.tokenize_workers: processes that tokenize files not yet in the cache (None: one per CPU).
+    Returns:
+      The corpus: one memory-mapped array per file with text, its documents each ended by the eod id.
+    Raises:
+      ConfigError: missing/empty files, bad jsonl lines, no text at all, ids >= vocab_size.
+    """
+    files = local_files(spec, key, TEXT_SUFFIXES)
+    encoding = token_cache.Encoding.of("documents", "text", tokenizer, text_field=text_field)
+    encoded = token_cache.encode(encoding, files, key, tokenizer, encode_documents, workers=workers)
+    kept = [(f, e) for f, e in zip(files, encoded) if len(e.tokens)]  # an empty entry would break Corpus.read
+    if not kept:
+        raise ConfigError(f"{key}: '{spec}' holds no text")
+    corpus = Corpus([e.tokens for _, e in kept], [source_url(f) or str(f) for f, _ in kept], tokenizer.eod_id,
+                    max(e.max_id for _, e in kept))
+    check_vocab(corpus, vocab_size, key)
+    return corpus
 
 
 def open_documents(source: str, spec: str, *, tokenizer: Tokenizer, text_field: str, tokens_field: Optional[str],
-                   vocab_size: int, key: str) -> Corpus:
+                   vocab_size: int, key: str, workers: Optional[int] = None) -> Corpus:
     """The documents of a record source as one token stream (each document followed by the eod id).
 
-    Without `tokens_field`, every row's `text_field` is tokenized now, once per process, into memory.
+    Without `tokens_field`, every row's `text_field` is tokenized once per host, by worker processes, into
+    `token_cache` entries that are then memory-mapped (a later open reads them without tokenizing).
     With it, every row's `tokens_field` holds the document's ids: ArrayRecord files and Arrow files
     (`.arrow`, `datasets` folders) are read by record when a training row needs them (one
     `DocumentStream` per file); Parquet files are read column-wise now and kept in memory (Parquet has
@@ -170,6 +233,7 @@ def open_documents(source: str, spec: str, *, tokenizer: Tokenizer, text_field: 
       tokens_field: data.tokens_field, the field or column of token-id lists (None: tokenize the text).
       vocab_size: model.vocab_size; every id must be below it.
       key: config key named in error messages.
+      workers: data.tokenize_workers (`token_cache.encode`).
     Returns:
       The corpus, one entry per file.
     Raises:
@@ -177,14 +241,22 @@ def open_documents(source: str, spec: str, *, tokenizer: Tokenizer, text_field: 
         token ids that are not a list of non-negative integers, files that disagree on the eod id, no
         documents at all, or ids >= vocab_size (one line each, naming the key and the file).
     """
-    fmt = _FORMATS[source]
+    fmt = FORMATS[source]
     arrays: list[np.ndarray | DocumentStream] = []
     names: list[str] = []
     eods: dict[str, int] = {}
     max_id = 0
-    for f in _files(source, spec, key):
+    files = _files(source, spec, key)
+    metas = {}
+    for f in files:
         with _named(f):
-            meta = arrayrecord_source.prepared_meta(f, key) if source == "arrayrecord" else None
+            metas[f] = arrayrecord_source.prepared_meta(f, key) if source == "arrayrecord" else None
+    texts = [f for f in files if metas[f] is None and not tokens_field]
+    encoding = token_cache.Encoding.of("documents", source, tokenizer, text_field=text_field)
+    encoded = dict(zip(texts, token_cache.encode(encoding, texts, key, tokenizer, encode_documents, workers=workers)))
+    for f in files:
+        with _named(f):
+            meta = metas[f]
             if meta is not None or tokens_field:
                 docs: TokenDocuments = (arrayrecord_source.prepared_documents(f, meta, key) if meta is not None
                                         else fmt.token_documents(f, tokens_field, key))
@@ -193,8 +265,8 @@ def open_documents(source: str, spec: str, *, tokenizer: Tokenizer, text_field: 
                 max_id = max(max_id, docs.max_id if arr.num_documents else 0, eod)
             else:
                 eod = tokenizer.eod_id
-                arr = _tokenize(fmt.texts(f, text_field, key), tokenizer)
-                max_id = max(max_id, int(arr.max()) if len(arr) else 0)
+                arr = encoded[f].tokens
+                max_id = max(max_id, encoded[f].max_id)
         name = source_url(f) or str(f)
         eods[name] = eod
         if len(arr):  # an empty entry would break Corpus.read's walk over files

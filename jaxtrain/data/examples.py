@@ -36,6 +36,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from jaxtrain.config import Config, ConfigError, MixtureComponent
+from jaxtrain.data import token_cache
 from jaxtrain.data.chat import encode_chat, encode_prompt_completion, load_chat_template, load_template_tokens
 from jaxtrain.data.packing import pack_window
 from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -43,6 +44,7 @@ from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 _log = logging.getLogger(__name__)
 
 PACKINGS = ("first_fit", "concat")
+_NO_ROWS = "{key}: no rows to read (the files hold only blank lines?)"
 
 
 @dataclasses.dataclass
@@ -81,7 +83,8 @@ def _encode_row(row: dict, fmt: str, tokenizer: Tokenizer, template: Optional[st
 
 
 def encode_examples(rows: Iterable[tuple[str, dict]], fmt: str, tokenizer: Tokenizer, template: Optional[str],
-                    variables: dict[str, Any], key: str, eos_id: Optional[int] = None) -> Examples:
+                    variables: dict[str, Any], key: str, eos_id: Optional[int] = None,
+                    allow_empty: bool = False) -> Examples:
     """Encode every row (from `documents.iter_rows`) as ids and a learn mask.
 
     Args:
@@ -92,6 +95,7 @@ def encode_examples(rows: Iterable[tuple[str, dict]], fmt: str, tokenizer: Token
       variables: what the template may refer to (`bos_token`, `eos_token` ...: `chat.load_template_tokens`).
       key: the config key named in errors ('data.path', 'data.mixture[1] (name)').
       eos_id: the id that ends a completion (default: the tokenizer's eod id, what jaxtrain's generation stops at).
+      allow_empty: no rows is no examples, not an error (one file of several: `token_cache`).
     Returns:
       The examples in row order.
     Raises:
@@ -113,9 +117,23 @@ def encode_examples(rows: Iterable[tuple[str, dict]], fmt: str, tokenizer: Token
         out.ids.append(ids)
         out.masks.append(mask)
         out.where.append(where)
-    if not out.ids:
-        raise ConfigError(f"{key}: no rows to read (the files hold only blank lines?)")
+    if not out.ids and not allow_empty:
+        raise ConfigError(_NO_ROWS.format(key=key))
     return out
+
+
+def encode_example_file(encoding: token_cache.Encoding, path: Path, key: str,
+                        tokenizer: Tokenizer) -> token_cache.FileEncoding:
+    """One local file's rows as examples (a `token_cache.Encoder`): ids, learn masks and each one's row."""
+    from jaxtrain.data.documents import file_rows  # record readers (pyarrow ...) load only for these formats
+
+    ex = encode_examples(file_rows(encoding.source, path, key), encoding.fmt, tokenizer, encoding.template,
+                         dict(encoding.variables), key, eos_id=tokenizer.eod_id, allow_empty=True)
+    ids = np.concatenate(ex.ids + [np.zeros(0, np.int32)]).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in ex.ids], dtype=np.int64)]).astype(np.int64)
+    return token_cache.FileEncoding(
+        {"ids": ids, "masks": np.concatenate(ex.masks + [np.zeros(0, bool)]).astype(bool), "offsets": offsets},
+        {"examples": ex.num_examples, "tokens": len(ids), "max_id": int(ids.max()) if len(ids) else 0}, ex.where)
 
 
 def _first_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -264,16 +282,25 @@ def open_example_rows(cfg: Config, component: MixtureComponent, key: str) -> Exa
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer, d.eod_id)
     template, variables = _chat_template(cfg) if component.format == "chat" else (None, {})
-    from jaxtrain.data.documents import iter_rows  # record readers (pyarrow ...) load only for these formats
+    from jaxtrain.data.documents import row_files  # record readers (pyarrow ...) load only for these formats
 
-    examples = encode_examples(iter_rows(component.source, component.path, key), component.format, tokenizer,
-                               template, variables, key, eos_id=tokenizer.eod_id)
+    files = row_files(component.source, component.path, key)
+    encoding = token_cache.Encoding.of("examples", component.source, tokenizer, fmt=component.format,
+                                       template=template, variables=tuple(sorted(variables.items())))
+    encoded = token_cache.encode(encoding, files, key, tokenizer, encode_example_file, workers=d.tokenize_workers)
     vocab = cfg.model.vocab_size
-    for ids, where in zip(examples.ids, examples.where):
-        if len(ids) and int(ids.max()) >= vocab:
-            raise ConfigError(f"{key}: {where}: token id {int(ids.max())} does not fit model.vocab_size={vocab} "
-                              f"(data.tokenizer has {tokenizer.vocab_size} ids); set model.vocab_size to at least "
-                              f"{tokenizer.vocab_size}")
+    examples = Examples([], [], [])
+    for e in encoded:
+        ids = [e.ids[a:b] for a, b in zip(e.offsets[:-1], e.offsets[1:])]
+        if e.max_id >= vocab:
+            i = next(i for i, x in enumerate(ids) if len(x) and int(x.max()) >= vocab)
+            raise ConfigError(f"{key}: {e.where(i)}: token id {int(ids[i].max())} does not fit model.vocab_size="
+                              f"{vocab} (data.tokenizer has {tokenizer.vocab_size} ids); set model.vocab_size to at "
+                              f"least {tokenizer.vocab_size}")
+        examples.ids += ids
+        examples.masks += [e.masks[a:b] for a, b in zip(e.offsets[:-1], e.offsets[1:])]
+    if not examples.ids:
+        raise ConfigError(_NO_ROWS.format(key=key))
     rows = ExampleRows(examples, d.seq_len, d.packing or "first_fit")
     if rows.num_examples == 0:
         raise ConfigError(f"{key}: none of the {examples.num_examples} examples has a token to learn within "

@@ -1,7 +1,8 @@
 """Data files named by gs:// or s3:// URLs, copied once to local disk and read from there.
 
-The record readers want local files: ArrayRecord reads by record index, Arrow files are memory-mapped,
-and `datasets` directories are found by their `state.json`. So a remote spec (an object, a "directory"
+The readers want local files: token files and Arrow files are memory-mapped, ArrayRecord reads by
+record index, and `datasets` directories are found by their `state.json`. So every file source (tokens,
+text and the record sources) takes its files from `local_files`, and a remote spec (an object, a "directory"
 prefix or a glob) is listed with the bucket's fsspec client (`storage.object_store.filesystem`), and
 each object is copied into a cache folder (JAXTRAIN_DATA_CACHE, else ~/.cache/jaxtrain/data) under its
 bucket and name: `<cache>/s3/bucket/path/file`. Beside each copy, `<file>.source` records the URL,
@@ -11,28 +12,68 @@ A copy is written under a temporary name and renamed when complete, so a killed 
 
 Listing and copying are retried on errors that mean "no answer" (5xx, throttling, timeouts:
 `object_store.is_transient`); after RETRY_ATTEMPTS it is TransientStorageError (the CLI exits 75:
-restart the job). A definite answer (no such object, no access) is ConfigError at once.
+restart the job). A definite answer (no such object, no access) is ConfigError at once. Errors about
+a copy's contents name the object's URL, which the user wrote (`urls_in_errors`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from jaxtrain.config import ConfigError
-from jaxtrain.data.sources import resolve_paths
 from jaxtrain.runtime import env
 from jaxtrain.storage import object_store
 from jaxtrain.storage.paths import is_remote
 
 T = TypeVar("T")
+META_NAME = "meta.json"  # token files' sidecar (sources.py): never a data file itself, also not in a glob
 RETRY_ATTEMPTS = 4  # module constants, read at each call, so tests can shorten them
 RETRY_FIRST_WAIT_S = 0.5  # then 2x each attempt, times a jitter in [0.5, 1.5)
 _COPY_CHUNK = 8 << 20
+
+
+def resolve_paths(spec: str, key: str, dir_suffixes: tuple[str, ...], allow_empty: bool = False) -> list[Path]:
+    """The local files named by `spec`, in a fixed (sorted) order (`remote_files.local_files` takes buckets too).
+
+    Args:
+      spec: a file, a directory (its files ending in `dir_suffixes`, recursively) or a glob, on local disk.
+      key: config key or CLI flag named in error messages (e.g. 'data.path').
+      dir_suffixes: which files of a directory belong to the source.
+      allow_empty: return empty files too, for a caller that skips them (`prepare-data`).
+    Returns:
+      Non-empty list of existing, non-empty files (empty ones too with `allow_empty`). The order decides
+      the stream order.
+    Raises:
+      ConfigError: nothing matches, a matched file is empty (unless `allow_empty`), or `spec` is a URL.
+    """
+    if is_remote(spec):  # else "does not exist", as if the URL were a local name
+        raise ConfigError(f"{key}: '{spec}' is a URL; {key} takes local files only (copy them to local disk first)")
+    p = Path(spec).expanduser()
+    if any(c in spec for c in "*?["):
+        files = [Path(f) for f in sorted(glob.glob(str(p), recursive=True))]
+        files = [f for f in files if f.is_file() and f.name != META_NAME]
+        if not files:
+            raise ConfigError(f"{key}: the glob '{spec}' matches no files")
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in dir_suffixes)
+        if not files:
+            raise ConfigError(f"{key}: directory '{spec}' has no {' or '.join(dir_suffixes)} files; to read files "
+                              f"with other names, pass them or a quoted glob, e.g. '{os.path.join(spec, '*.md')}'")
+    elif p.is_file():
+        files = [p]
+    else:
+        raise ConfigError(f"{key}: '{spec}' does not exist (expected a file, directory or glob)")
+    for f in files:
+        if f.stat().st_size == 0 and not allow_empty:
+            raise ConfigError(f"{key}: file '{f}' is empty")
+    return files
 
 
 def local_files(spec: str, key: str, suffixes: tuple[str, ...], sidecars: tuple[str, ...] = (),
@@ -58,7 +99,8 @@ def local_files(spec: str, key: str, suffixes: tuple[str, ...], sidecars: tuple[
     object_store.check_access(spec, key=key)  # scheme, client library, credentials, bucket: one line each
     scheme = object_store.split_url(spec)[0]
     fs = object_store.filesystem(spec)
-    objects = _retry(lambda: _list(fs, spec, key, suffixes, sidecars), f"{key}: listing '{spec}'")
+    # A glob never matches meta.json, a sidecar of token and ArrayRecord files (as `resolve_paths` locally).
+    objects = _retry(lambda: _list(fs, spec, key, suffixes, (META_NAME, *sidecars)), f"{key}: listing '{spec}'")
     root = Path(cache_dir or env.data_cache_dir()).expanduser()
     folders: dict[str, dict[str, dict]] = {}  # folder -> its objects, listed once for all its files' sidecars
     files = []
@@ -82,6 +124,26 @@ def source_url(path: Path) -> Optional[str]:
         return json.loads(path.with_name(path.name + ".source").read_text())["url"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@contextlib.contextmanager
+def urls_in_errors(files: list[Path]) -> Iterator[None]:
+    """ConfigErrors raised inside name the bucket objects among `files` by their URLs, not by their cached copies.
+
+    A copy is `<cache>/<scheme>/<bucket>/<name>`, so each copy's folder stands for its URL's folder; local
+    files (no `.source` record beside them) are left as they are.
+    """
+    try:
+        yield
+    except ConfigError as e:
+        message = str(e)
+        for folder, f in {f.parent: f for f in files}.items():
+            url = source_url(f)
+            if url is not None:
+                message = message.replace(str(folder), url.rpartition("/")[0])
+        if message == str(e):
+            raise
+        raise ConfigError(message) from None
 
 
 def _sidecar_name(name: str, side: str) -> str:

@@ -12,28 +12,28 @@ and the largest id is found by scanning the files once at open time.
 
 Text (`data.source=text`): a `.jsonl` file holds one document per line in the field
 `data.text_field`; any other file (`.txt`, or any name given explicitly or by glob) is one
-document. Everything is tokenized when the source opens, once per process, so this source suits
-small corpora and experiments; `prepare-data` turns big ones into token files.
+document (read here: `iter_documents`); `documents.open_text` tokenizes each file once per host into
+the token cache and memory-maps it.
 Nothing read from a data file is ever executed: JSON is parsed with `json.loads`, tokens are
-raw integers.
+raw integers. Both sources take gs:// and s3:// paths too: the objects (and a meta.json beside token
+files) are copied once to a local cache and read from there (`remote_files.local_files`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import itertools
 import json
-import os
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
 from jaxtrain.config import ConfigError
+from jaxtrain.data.remote_files import META_NAME, local_files, resolve_paths, source_url, urls_in_errors  # noqa: F401 (re-exported)
 from jaxtrain.data.tokenizer import Tokenizer
+from jaxtrain.storage.paths import is_remote
 
-META_NAME = "meta.json"
 META_FORMAT = "jaxtrain.tokens"
 TOKEN_SUFFIXES = (".bin",)
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -41,41 +41,6 @@ _SCAN_CHUNK = 1 << 24  # tokens per step when scanning for the largest id (bound
 
 
 # ----------------------------------------------------------------------------- paths
-
-
-def resolve_paths(spec: str, key: str, dir_suffixes: tuple[str, ...], allow_empty: bool = False) -> list[Path]:
-    """The files named by `spec`, in a fixed (sorted) order.
-
-    Args:
-      spec: a file, a directory (its files ending in `dir_suffixes`, recursively) or a glob.
-      key: config key or CLI flag named in error messages (e.g. 'data.path').
-      dir_suffixes: which files of a directory belong to the source.
-      allow_empty: return empty files too, for a caller that skips them (`prepare-data`).
-    Returns:
-      Non-empty list of existing, non-empty files (empty ones too with `allow_empty`). The order decides
-      the stream order.
-    Raises:
-      ConfigError: nothing matches, or a matched file is empty (unless `allow_empty`).
-    """
-    p = Path(spec).expanduser()
-    if any(c in spec for c in "*?["):
-        files = [Path(f) for f in sorted(glob.glob(str(p), recursive=True))]
-        files = [f for f in files if f.is_file() and f.name != META_NAME]
-        if not files:
-            raise ConfigError(f"{key}: the glob '{spec}' matches no files")
-    elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in dir_suffixes)
-        if not files:
-            raise ConfigError(f"{key}: directory '{spec}' has no {' or '.join(dir_suffixes)} files; to read files "
-                              f"with other names, pass them or a quoted glob, e.g. '{os.path.join(spec, '*.md')}'")
-    elif p.is_file():
-        files = [p]
-    else:
-        raise ConfigError(f"{key}: '{spec}' does not exist (expected a file, directory or glob)")
-    for f in files:
-        if f.stat().st_size == 0 and not allow_empty:
-            raise ConfigError(f"{key}: file '{f}' is empty")
-    return files
 
 
 # ----------------------------------------------------------------------------- the corpus
@@ -181,7 +146,8 @@ def open_tokens(spec: str, *, token_dtype: str, eod_id: Optional[int], vocab_siz
     """Memory-map the token files named by `spec`.
 
     Args:
-      spec: file, directory (its `.bin` files) or glob.
+      spec: file, directory (its `.bin` files) or glob; local, gs:// or s3:// (copied to local disk first,
+        with the meta.json beside them: `remote_files.local_files`).
       token_dtype: dtype of files without a meta.json (`data.token_dtype`).
       eod_id: eod id of files without a meta.json (`data.eod_id`); must agree with meta.json.
       vocab_size: model.vocab_size; every id must be below it.
@@ -190,8 +156,16 @@ def open_tokens(spec: str, *, token_dtype: str, eod_id: Optional[int], vocab_siz
       The corpus; only the pages a process reads are ever loaded.
     Raises:
       ConfigError: missing/empty/truncated files, bad meta.json, conflicting eod ids, ids >= vocab_size.
+        A bucket's files are named by their URLs.
+      TransientStorageError: a bucket did not answer, even after retries.
     """
-    files = resolve_paths(spec, key, TOKEN_SUFFIXES)
+    files = local_files(spec, key, TOKEN_SUFFIXES, (META_NAME,))
+    with urls_in_errors(files):
+        return _open_token_files(files, spec, token_dtype=token_dtype, eod_id=eod_id, vocab_size=vocab_size, key=key)
+
+
+def _open_token_files(files: list[Path], spec: str, *, token_dtype: str, eod_id: Optional[int], vocab_size: int,
+                      key: str) -> Corpus:
     metas: dict[Path, Optional[dict]] = {}
     arrays, eods, max_id = [], {}, 0
     for f in files:
@@ -227,7 +201,8 @@ def open_tokens(spec: str, *, token_dtype: str, eod_id: Optional[int], vocab_siz
     if len(eods) not in (0, len(files)):
         raise ConfigError(f"{key}: some files have an end-of-document id (meta.json) and others not; "
                           "set data.eod_id for the files without meta.json")
-    corpus = Corpus(arrays, [str(f) for f in files], distinct[0] if distinct else None, max_id)
+    names = [(source_url(f) if is_remote(spec) else None) or str(f) for f in files]
+    corpus = Corpus(arrays, names, distinct[0] if distinct else None, max_id)
     check_vocab(corpus, vocab_size, key)
     return corpus
 
@@ -286,30 +261,3 @@ def tokenize_files(files: list[Path], tokenizer: Tokenizer, text_field: str = "t
             ids = [x for x in tokenizer.encode_batch([d for d in batch if d]) if len(x)]
             joined = np.concatenate([part for x in ids for part in (x, eod)]) if ids else np.zeros(0, np.uint32)
             yield joined, len(ids), chars
-
-
-def open_text(spec: str, tokenizer: Tokenizer, *, vocab_size: int, text_field: str = "text",
-              key: str = "data.path") -> Corpus:
-    """Read and tokenize the text/jsonl files named by `spec` into an in-memory corpus.
-
-    Args:
-      spec: file, directory (its .txt and .jsonl files) or glob.
-      tokenizer: from `load_tokenizer(data.tokenizer)`.
-      vocab_size: model.vocab_size; every id must be below it.
-      text_field: the field of a .jsonl line that holds the document.
-      key: config key named in error messages.
-    Returns:
-      The corpus (one array; documents separated by the tokenizer's eod id).
-    Raises:
-      ConfigError: missing/empty files, bad jsonl lines, no text at all, ids >= vocab_size.
-    """
-    files = resolve_paths(spec, key, TEXT_SUFFIXES)
-    # Small vocabularies fit uint16: halves the memory of the in-memory corpus.
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    chunks = [ids.astype(dtype) for ids, _, _ in tokenize_files(files, tokenizer, text_field, key)]
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
-    if len(tokens) == 0:
-        raise ConfigError(f"{key}: '{spec}' holds no text")
-    corpus = Corpus([tokens], [spec], tokenizer.eod_id, int(tokens.max()))
-    check_vocab(corpus, vocab_size, key)
-    return corpus

@@ -43,6 +43,7 @@ HARMLESS = {
     "model.remat",  # what the backward pass recomputes
     "model.scan_layers",  # a different parameter layout is refused by the restore's own check
     "data.prefetch",  # batches prepared ahead
+    "data.tokenize_workers",  # who tokenizes, not what
     "data.eval",  # the held-out set is not trained on
 }
 # Keys of the other sections that shape what was trained, and why.

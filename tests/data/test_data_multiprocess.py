@@ -4,6 +4,8 @@ Each process builds only its rows with `build_train_data(cfg, i, 2)` and the glo
 `jax.make_array_from_process_local_data`; process 0 gathers it and saves it for comparison. A
 second worker shares batch shards between the processes (a tensor pair across them), as a TPU
 slice whose torus order runs the tensor ring over two hosts does: each reads `process_rows`.
+The first worker also passes over a held-out set (`build_eval_data`) whose last global batch holds
+no row of process 1: both finish, every row appears once, the padding counts nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 from helpers import free_port
-from test_data import random_docs, write_tokens
+from test_data import EOD, random_docs, write_tokens
 
 from jaxtrain.config import load_config
 from jaxtrain.data import build_train_data
@@ -95,6 +97,15 @@ WORKER = textwrap.dedent("""
             assert arr.shape[0] == cfg.data.global_batch_size, arr.shape
             saved[f"{k}_{step}"] = np.asarray(multihost_utils.process_allgather(arr, tiled=True))
     data.close()
+    from jaxtrain.data import build_eval_data
+    held_out = build_eval_data(cfg, jax.process_index(), jax.process_count())
+    if held_out is not None:  # one pass and one batch past it, as many batches in each process
+        saved["eval_num_batches"] = np.array(held_out.num_batches)
+        for step in range(held_out.num_batches + 1):
+            for k, v in next(held_out).items():
+                arr = jax.make_array_from_process_local_data(sharding, v)
+                saved[f"eval_{k}_{step}"] = np.asarray(multihost_utils.process_allgather(arr, tiled=True))
+        held_out.close()
     if jax.process_index() == 0:
         np.savez(out, **saved)
     jax.distributed.shutdown()
@@ -104,9 +115,15 @@ WORKER = textwrap.dedent("""
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("worker,devices", [(WORKER, 2), (SHARED_WORKER, 4)], ids=["own_rows", "shared_rows"])
 def test_two_processes_build_the_same_global_batches(tmp_path, worker, devices):
+    """Both workers: the training batches equal one process's. WORKER also passes over a held-out set of 11 rows:
+    global batch 1 holds rows 8-10 in process 0's share and only padding in process 1's, and both finish."""
     corpus = write_tokens(tmp_path / "tok", random_docs(80))
     overrides = ["data.source=tokens", f"data.path={corpus}", "model.vocab_size=128", "data.seq_len=16",
                  "data.global_batch_size=8"]
+    # 15 documents of 10 tokens + eod: 165 tokens, ceil(164 / 16) = 11 rows, the last holding 5 tokens.
+    held_out = write_tokens(tmp_path / "eval", np.random.default_rng(7).integers(1, 90, size=(15, 10)).tolist())
+    if worker is WORKER:
+        overrides.append(f"data.eval={held_out}")
     out = tmp_path / "gathered.npz"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -130,6 +147,29 @@ def test_two_processes_build_the_same_global_batches(tmp_path, worker, devices):
         for k in FIELDS:
             np.testing.assert_array_equal(gathered[f"{k}_{step}"], expected[k], err_msg=f"{k} at step {step}")
     alone.close()
+    if worker is WORKER:
+        assert_eval_pass_with_padding(gathered, np.fromfile(held_out / "part-0.bin", "<u2").astype(np.int64))
+
+
+def assert_eval_pass_with_padding(gathered, stream: np.ndarray, seq_len: int = 16, batch: int = 8) -> None:
+    """The gathered eval batches hold every row of the set once, in order (row i = stream tokens
+    [i*L, i*L + L + 1), read here from the file), then padding rows with loss mask 0."""
+    num_batches = int(gathered["eval_num_batches"])
+    n = -(-(len(stream) - 1) // seq_len)
+    assert (n, num_batches) == (11, 2)
+    rows = {k: np.concatenate([gathered[f"eval_{k}_{b}"] for b in range(num_batches + 1)]) for k in FIELDS}
+    real = rows["segment_ids"].any(axis=1)
+    assert real.tolist() == [True] * n + [False] * ((num_batches + 1) * batch - n)
+    assert not rows["segment_ids"][batch + batch // 2:2 * batch].any()  # process 1's share of batch 1: padding
+    # Every row exactly once, in order: the rows' inputs, put together, are the whole stream.
+    got = np.concatenate([t[s > 0] for t, s in zip(rows["tokens"], rows["segment_ids"])])
+    np.testing.assert_array_equal(got, stream)
+    # Padding counts nothing; every target inside a document counts once (all but those after an eod).
+    for k in ("loss_mask", "segment_ids", "tokens", "targets"):
+        assert not rows[k][~real].any(), k
+    assert rows["loss_mask"].sum() == (len(stream) - 1) - np.count_nonzero(stream[:-1] == EOD)
+    learned = np.concatenate([t[m > 0] for t, m in zip(rows["targets"], rows["loss_mask"])])
+    np.testing.assert_array_equal(learned, stream[1:][stream[:-1] != EOD])
 
 
 @pytest.mark.multiprocess

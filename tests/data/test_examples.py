@@ -2,8 +2,9 @@
 
 Rows are checked against a layout built by hand, against transformers' own `apply_chat_template(...,
 return_assistant_tokens_mask=True)` on conversations made of real text (through `build_train_data`, the whole
-reading path), and against the model: a packed row gives every example the logits it gets alone, so attention
-never crosses examples. Bad rows stop with one line naming the key and the file:line.
+reading path, on 1 and on 2 processes), and against the model: a packed row gives every example the logits it
+gets alone, so attention never crosses examples. Bad rows stop with one line naming the key and the file:line;
+`jaxtrain train` on bad chat or mixture data exits 2 with that line and writes nothing.
 """
 
 from __future__ import annotations
@@ -85,17 +86,29 @@ def chat_config(chat_dir: Path, path: Path, *extra: str):
                               f"model.vocab_size={VOCAB}", "data.global_batch_size=2", *extra])
 
 
-def all_rows(cfg) -> list[dict[str, np.ndarray]]:
-    """One epoch of rows, in order, through build_train_data (data.shuffle=false)."""
-    data = build_train_data(cfg)
-    try:
-        rows = []
-        while len(rows) < data.num_sequences:
-            batch = next(data)
-            rows += [{k: batch[k][j] for k in FIELDS} for j in range(len(batch["tokens"]))]
-        return rows[:data.num_sequences]
-    finally:
-        data.close()
+def all_rows(cfg, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """One epoch of rows, in order, through build_train_data (data.shuffle=false); with `process_count` > 1,
+    processes 0..P-1 of P each read their share and each global batch is their shares one after another."""
+    shares = []
+    for p in range(process_count):
+        data = build_train_data(cfg, p, process_count)
+        try:
+            shares.append([next(data) for _ in range(data.num_batches)])
+            n = data.num_sequences
+        finally:
+            data.close()
+    rows = []
+    for b in range(len(shares[0])):
+        batch = {k: np.concatenate([s[b][k] for s in shares]) for k in FIELDS}
+        rows += [{k: batch[k][j] for k in FIELDS} for j in range(len(batch["tokens"]))]
+    return rows[:n]
+
+
+def assert_same_rows(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        for k in FIELDS:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"row {i} {k}")
 
 
 def segments(row: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -244,7 +257,10 @@ def test_chat_rows_through_build_train_data_equal_transformers(chat_dir, hf_tok,
     assert len(masks) == len(convs)  # all distinct, so the tokens identify the example
 
     # first_fit (the default for chat): every example whole in one segment, mask shifted onto the targets.
-    rows = all_rows(chat_config(chat_dir, path, f"data.seq_len={L}"))
+    cfg = chat_config(chat_dir, path, f"data.seq_len={L}", "data.global_batch_size=4")
+    rows = all_rows(cfg)
+    # Processes 0 and 1 of 2 each read their rows of every global batch: together, the one process's rows.
+    assert_same_rows(all_rows(cfg, 2), rows)
     found = []
     for row in rows:
         for seg in segments(row):
@@ -261,7 +277,9 @@ def test_chat_rows_through_build_train_data_equal_transformers(chat_dir, hf_tok,
     # concat: the examples in file order as one stream; a target counts when it is the assistant's and not the
     # first token of an example (nothing of its own precedes it).
     L = 128
-    rows = all_rows(chat_config(chat_dir, path, f"data.seq_len={L}", "data.packing=concat"))
+    cfg = chat_config(chat_dir, path, f"data.seq_len={L}", "data.packing=concat", "data.global_batch_size=4")
+    rows = all_rows(cfg)
+    assert_same_rows(all_rows(cfg, 2), rows)
     stream = np.concatenate([np.asarray(ids) for ids, _ in expected])
     learn = np.concatenate([m for _, m in expected])
     learn[np.cumsum([0] + [len(ids) for ids, _ in expected[:-1]])] = False
@@ -379,20 +397,38 @@ def test_bad_prompt_completion_rows_tokenizers_and_vocab_are_refused(chat_dir, t
     assert message.startswith(f"data.path: {chat_rows}:1: token id ") and "model.vocab_size=300" in message
 
 
-def test_train_with_a_bad_chat_row_exits_2_with_one_line_and_writes_nothing(chat_dir, tmp_path, jaxtrain_train):
+@pytest.mark.parametrize("case", ["chat row without an assistant turn", "template without a mask",
+                                  "missing component path", "component weight 0"])
+def test_train_on_bad_data_exits_2_with_one_line_naming_the_key_and_writes_nothing(chat_dir, tmp_path,
+                                                                                   jaxtrain_train, case):
     good = {"messages": conversations(1)[0]}
-    path = write_jsonl(tmp_path / "chat.jsonl", [good] * 8 + [{"messages": [{"role": "user", "content": "Hi"}]}])
+    path = write_jsonl(tmp_path / "chat.jsonl", [good] * 8)
+    overrides, expected = [f"data.path={path}"], None
+    if case == "chat row without an assistant turn":
+        path = write_jsonl(tmp_path / "bad.jsonl", [good] * 8 + [{"messages": [{"role": "user", "content": "Hi"}]}])
+        overrides, expected = [f"data.path={path}"], f"data.path: {path}:9: a chat row has no assistant turn"
+    elif case == "template without a mask":  # no {% generation %} blocks, and prefixes do not render as prefixes
+        template = tmp_path / "counting.jinja"
+        template.write_text(COUNTING)
+        overrides.append(f"data.chat_template={template}")
+        expected = f"data.path: {path}:1: the chat template cannot yield an assistant mask"
+    elif case == "missing component path":
+        overrides = [f"data.mixture=[{{path: '{path}', weight: 1}}, {{path: '{tmp_path}/nope', weight: 1}}]"]
+        expected = f"data.mixture[1] (nope): '{tmp_path}/nope' does not exist"
+    else:
+        overrides = [f"data.mixture=[{{path: '{path}', weight: 1}}, {{path: '{path}', weight: 0, name: again}}]"]
+        expected = "data.mixture[1].weight must be a positive number"
     run = tmp_path / "run"
     config = tmp_path / "config.yaml"
     config.write_text("run:\n  name: chat-refused\n")
     r = jaxtrain_train("--config", str(config), "--cpu-devices", "1", "data.source=text", "data.format=chat",
-                       f"data.path={path}", f"data.tokenizer={chat_dir / 'tokenizer.json'}", "model.vocab_size=1000",
+                       f"data.tokenizer={chat_dir / 'tokenizer.json'}", "model.vocab_size=1000", *overrides,
                        "model.attention=xla", f"run.output_dir={run}", "train.steps=2", cwd=tmp_path, timeout=240)
     assert r.returncode == 2, r.stderr[-3000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert lines[0].startswith("jaxtrain: error")
-    assert f"data.path: {path}:9: a chat row has no assistant turn" in lines[0], lines[0]
+    # One error line (a component read before the bad one may log its summary line first), no traceback.
+    errors = [line for line in r.stderr.splitlines() if line.startswith("jaxtrain: error")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert expected in errors[0], errors[0]
     assert not run.exists()
 
 
@@ -407,11 +443,8 @@ def test_parquet_chat_rows_equal_the_jsonl_rows(chat_dir, tmp_path):
     jsonl = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in convs])
     pq.write_table(pa.Table.from_pylist([{"messages": m} for m in convs]), tmp_path / "chat.parquet")
     want = all_rows(chat_config(chat_dir, jsonl, "data.seq_len=256"))
-    got = all_rows(chat_config(chat_dir, tmp_path / "chat.parquet", "data.seq_len=256", "data.source=parquet"))
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        for k in FIELDS:
-            np.testing.assert_array_equal(a[k], b[k])
+    assert_same_rows(all_rows(chat_config(chat_dir, tmp_path / "chat.parquet", "data.seq_len=256",
+                                          "data.source=parquet")), want)
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([{"messages": convs[0]}, {"messages": convs[1][:1]}]), bad)
     assert refused(chat_config(chat_dir, bad, "data.source=parquet")).startswith(

@@ -198,11 +198,20 @@ def test_bad_mixture_is_one_config_line(mixture, schedule, pattern):
         load_config(None, overrides)
 
 
-def test_a_missing_component_path_names_the_component(corpora, tmp_path):
+def test_bad_component_files_are_one_config_line_at_start(corpora, tmp_path):
+    """A missing component path names the component; components that together fill fewer rows than one global
+    batch are refused before anything starts (each process's share of the first batch would not exist)."""
     cfg = load_config(None, ["data.source=tokens", "model.vocab_size=128",
                              f"data.mixture=[{{path: '{corpora['web']}', weight: 1}}, {{path: '{tmp_path}/nope', weight: 1}}]"])
     with pytest.raises(ConfigError, match=r"data.mixture\[1\] \(nope\): .*nope' does not exist"):
         build_train_data(cfg)
+    # 22 + 11 tokens (eods included): 2 + 1 rows of 16, fewer than a global batch of 8; each fills a row.
+    small = {"web": write_tokens(tmp_path / "web", docs_of("web", 2, 3, length=(10, 11))),
+             "code": write_tokens(tmp_path / "code", docs_of("code", 1, 4, length=(10, 11)))}
+    with pytest.raises(ConfigError, match=r"^data\.mixture: the data fills 3 row\(s\) of data\.seq_len=16 tokens, "
+                                          r"fewer than one global batch \(data\.global_batch_size=8\)") as e:
+        build_train_data(mixture_cfg(small, {"web": 1, "code": 1}))
+    assert "\n" not in str(e.value)
 
 
 def test_a_mixture_of_documents_and_prompt_completion_examples(tmp_path):

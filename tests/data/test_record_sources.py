@@ -1,5 +1,6 @@
 """The record sources (ArrayRecord, Parquet, Hugging Face `datasets` files), local and in gs:// / s3://
-buckets, through the real reading path: `build_train_data` on a config, one epoch in file order.
+buckets, and the text source (.txt/.jsonl), through the real reading path: `build_train_data` on a config,
+one epoch in file order.
 
 Every file is written here from real text (the standard library's source, tests/real_text.py) with a
 tokenizer trained here; what training reads is compared with an independent reading of the same files
@@ -130,15 +131,25 @@ def read_arrayrecord_json(folder: Path, text: Text) -> np.ndarray:
     return stream(text.encode(docs), text.eod)
 
 
-def write_prepared(text: Text, folder: Path) -> Path:
-    src = folder.parent / f"{folder.name}-jsonl"
-    src.mkdir(parents=True)
+def write_jsonl(text: Text, folder: Path) -> Path:
+    folder.mkdir(parents=True)
     for i, half in enumerate(text.halves()):
-        (src / f"part{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in half))
+        (folder / f"part{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in half))
+    return folder
+
+
+def write_prepared(text: Text, folder: Path, output_format: str = "arrayrecord") -> Path:
+    src = write_jsonl(text, folder.parent / f"{folder.name}-jsonl")
     with open(os.devnull, "w") as quiet:
-        prepare([str(src)], str(folder), tokenizer=str(text.tokenizer), output_format="arrayrecord",
+        prepare([str(src)], str(folder), tokenizer=str(text.tokenizer), output_format=output_format,
                 shard_tokens=8_000, progress=quiet)
     return folder
+
+
+def read_token_files(folder: Path) -> np.ndarray:
+    """prepare-data's token files, read with numpy: the .bin files in name order, in meta.json's dtype."""
+    dtype = np.dtype(json.loads((folder / "meta.json").read_text())["dtype"]).newbyteorder("<")
+    return np.concatenate([np.fromfile(f, dtype) for f in sorted(folder.glob("*.bin"))]).astype(np.int64)
 
 
 def read_prepared(folder: Path) -> np.ndarray:
@@ -290,6 +301,22 @@ def test_hf_datasets_parquet_from_to_parquet(text, tmp_path):
                  stream(text.encode(pq.read_table(path).column("text").to_pylist()), text.eod))
 
 
+def test_text_source_txt_and_jsonl_files(text, tmp_path):
+    """data.source=text over a directory: its .jsonl files one document a line (an empty one left out), each .txt
+    file one document, in sorted file order; other files are not read."""
+    first, second = text.halves()
+    folder = tmp_path / "text"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": d, "n": i}) + "\n" for i, d in enumerate(first)))
+    books = ["\n\n".join(second[:len(second) // 2]), "\n\n".join(second[len(second) // 2:])]
+    (folder / "b.txt").write_text(books[0], encoding="utf-8")
+    (folder / "sub" / "c.txt").write_text(books[1], encoding="utf-8")
+    (folder / "notes.md").write_text("not a document of this corpus")
+    assert "" in first  # the empty document (Text puts it in the first half)
+    check_source(["data.source=text", f"data.path={folder}", f"data.tokenizer={text.tokenizer}"],
+                 stream(text.encode([*first, *books]), text.eod))
+
+
 def test_rows_are_the_files_rows(text, tmp_path):
     """`iter_rows` (what chat and prompt/completion data read) gives every row's fields, in file order."""
     ar = write_arrayrecord_json(text, tmp_path / "ar")
@@ -345,10 +372,17 @@ def upload(local: Path, url: str) -> None:
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-@pytest.mark.parametrize("kind", ["parquet", "prepared_arrayrecord", "hf_datasets"])
+@pytest.mark.parametrize("kind", ["parquet", "prepared_arrayrecord", "hf_datasets", "tokens", "text"])
 def test_sources_in_a_bucket(servers, text, tmp_path, monkeypatch, scheme, kind):
     monkeypatch.setenv("JAXTRAIN_DATA_CACHE", str(tmp_path / "cache"))
-    if kind == "parquet":
+    if kind == "tokens":  # prepare-data's token files: meta.json comes along
+        folder = write_prepared(text, tmp_path / "data", "tokens")
+        source, expected = "tokens", read_token_files(folder)
+        assert len(list(folder.glob("*.bin"))) > 1
+    elif kind == "text":  # .jsonl tokenized at open
+        folder = write_jsonl(text, tmp_path / "data")
+        source, expected = "text", stream(text.encode(text.docs), text.eod)
+    elif kind == "parquet":
         folder = write_parquet(text, tmp_path / "data")
         source, expected = "parquet", read_parquet(folder, text, "text")
     elif kind == "prepared_arrayrecord":  # meta.json and the lengths files come along
@@ -360,9 +394,16 @@ def test_sources_in_a_bucket(servers, text, tmp_path, monkeypatch, scheme, kind)
     url = f"{scheme}://{BUCKET}/{kind}-{tmp_path.name}"
     upload(folder, url)
     check_source([f"data.source={source}", f"data.path={url}", f"data.tokenizer={text.tokenizer}"], expected)
-    copies = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and not p.name.endswith(".source")]
+    copies = [p for p in (tmp_path / "cache" / scheme).rglob("*") if p.is_file() and not p.name.endswith(".source")]
     assert sorted(p.name for p in copies) == sorted(p.name for p in folder.iterdir() if p.suffix != ".json"
                                                    or p.name in ("meta.json", "state.json"))
+    if kind == "tokens":  # a rewritten object is fetched again, and the error names it and its meta.json by URL
+        first = sorted(folder.glob("*.bin"))[0]
+        first.write_bytes(first.read_bytes()[:-2])
+        upload(folder, url)
+        with pytest.raises(ConfigError, match=rf"^data\.path: file '{url}/{first.name}' has \d+ tokens but "
+                                              rf"{url}/meta\.json says \d+ \(truncated or rewritten\)$"):
+            one_epoch([f"data.source={source}", f"data.path={url}"], 1)
 
 
 def test_a_bucket_object_is_copied_once_and_again_when_it_changes(servers, text, tmp_path, monkeypatch):
