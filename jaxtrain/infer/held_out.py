@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from jaxtrain.config import Config, ConfigError, apply_overrides, from_dict
-from jaxtrain.data.sources import META_NAME, TEXT_SUFFIXES, TOKEN_SUFFIXES, iter_documents, resolve_paths
+from jaxtrain.data.remote_files import local_files
+from jaxtrain.data.sources import META_NAME, TEXT_SUFFIXES, TOKEN_SUFFIXES, iter_documents
 
 
 def data_kind(path: str) -> str:
@@ -64,7 +65,7 @@ def eval_config(cfg: Config, data: str, tokenizer: Optional[tuple[str, Optional[
 
 def text_bytes(cfg: Config) -> int:
     """UTF-8 bytes of the documents of the text set `data.eval`."""
-    files = resolve_paths(cfg.data.eval, "data.eval", TEXT_SUFFIXES)
+    files = local_files(cfg.data.eval, "data.eval", TEXT_SUFFIXES)  # a bucket's copies, already made by the eval
     return sum(len(doc.encode("utf-8")) for f in files for doc in iter_documents(f, cfg.data.text_field, "data.eval"))
 
 
