@@ -82,3 +82,32 @@ def test_mixture_resumes_bitwise_and_counts_components(real, tmp_path):
     assert consented.returncode == 0, consented.stderr[-3000:]
     assert "data.mixture changed since the checkpoint" in consented.stderr
     assert max(losses(whole)) == STEPS + 4
+
+
+@pytest.mark.slow
+def test_a_mixture_killed_on_one_process_resumes_on_two_with_the_same_batches(real, tmp_path, child_env):
+    """Killed on one process (two devices), resumed by `jaxtrain launch` as two processes of one device each: the
+    same mesh, so each step after the restored one draws the rows the uninterrupted run drew (the per-component
+    counts equal, step by step) and the losses follow it (the reductions cross processes: compared within 1e-5)."""
+    def args(out: Path, *extra: str) -> list[str]:
+        return cmd(out, real, mixture(real), *extra)[4:-2]  # `train`'s own arguments, without --cpu-devices
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    env = {k: v for k, v in child_env.items() if k != "CACHE"}
+    r = run(sys.executable, "-m", "jaxtrain", "train", *args(whole), "--cpu-devices", "2", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    k = run(sys.executable, "-m", "jaxtrain", "train", *args(killed, "chaos.kill_at_step=10"), "--cpu-devices", "2",
+            env=env)
+    assert k.returncode == -signal.SIGKILL, k.stderr[-3000:]
+    two = run(sys.executable, "-m", "jaxtrain", "launch", "--num-processes", "2", "--cpu-devices", "1",
+              "--max-restarts", "0", "--", "train", *args(killed), env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    resumes = [e for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "resume"]
+    assert resumes and resumes[-1]["restored_step"] in (6, 9), [e["kind"] for e in read_jsonl(killed / "events.jsonl")]
+    restored = resumes[-1]["restored_step"]
+    got = {m["step"]: m for m in read_jsonl(killed / "metrics.jsonl")}
+    ref = {m["step"]: m for m in read_jsonl(whole / "metrics.jsonl")}
+    for s in range(restored + 1, STEPS + 1):
+        assert got[s]["data_rows"] == ref[s]["data_rows"], (s, got[s]["data_rows"], ref[s]["data_rows"])
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5), (s, got[s]["loss"], ref[s]["loss"])
+    assert got[STEPS]["data_tokens"] == ref[STEPS]["data_tokens"]
