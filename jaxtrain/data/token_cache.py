@@ -268,6 +268,7 @@ def encode(encoding: Encoding, files: Sequence[Path], key: str, tokenizer: Token
     entries = [root / entry_digest(encoding, f) for f in files]
     todo = [(f, e) for f, e in zip(files, entries) if not (e / "info.json").exists()]
     if todo:
+        _check_writable(root, key)
         size = sum(f.stat().st_size for f, _ in todo)
         workers = min(os.cpu_count() or 1, 32) if workers is None else workers
         workers = min(workers, len(todo))
@@ -288,6 +289,20 @@ def encode(encoding: Encoding, files: Sequence[Path], key: str, tokenizer: Token
             size / 1e6, time.perf_counter() - start, f"{workers} worker processes" if workers else "in this process",
             root)
     return [_load(e) for e in entries]
+
+
+def _check_writable(root: Path, key: str) -> None:
+    """A cache folder that cannot be written is the user's to fix: one line, before any worker starts."""
+    from jaxtrain.runtime.env import DATA_CACHE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK | os.X_OK)
+        why = "not writable"
+    except OSError as e:
+        writable, why = False, e.strerror or type(e).__name__
+    if not writable:
+        raise ConfigError(f"{key}: the token cache '{root}' cannot be written ({why}); set {DATA_CACHE} to a "
+                          "writable folder")
 
 
 def _load(entry: Path) -> EncodedDocuments | EncodedExamples:

@@ -33,7 +33,7 @@ def main() -> int:
         try:
             made = ENCODERS[encoding.kind](encoding, Path(path), task["key"], tokenizer)
         except ConfigError as e:
-            print(token_cache.ERROR_MARK + json.dumps({"path": path, "message": str(e)}), file=sys.stderr, flush=True)
+            sys.stderr.write(token_cache.ERROR_MARK + json.dumps({"path": path, "message": str(e)}) + "\n")
             return 2
         token_cache.write_entry(Path(entry), encoding, Path(path), made)
     return 0

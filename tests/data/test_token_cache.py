@@ -148,3 +148,13 @@ def test_an_incomplete_entry_is_never_read(text, tmp_path, cache):
     (got,) = token_cache.encode(encoding, [path], "data.path", tok, encode_documents, workers=0)
     np.testing.assert_array_equal(got.tokens, stream(text.encode(text.docs[:10]), text.eod))
     assert (entry / "info.json").exists()
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line(text, tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.setenv("JAXTRAIN_DATA_CACHE", str(tmp_path / "a_file" / "cache"))
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": text.docs[0]}) + "\n")
+    with pytest.raises(ConfigError, match=r"^data.path: the token cache .* cannot be written \(Not a directory\); "
+                                          r"set JAXTRAIN_DATA_CACHE to a writable folder$"):
+        open_text(str(path), load_tokenizer(str(text.tokenizer)), vocab_size=VOCAB)
