@@ -74,3 +74,23 @@ class Packed:
 
     def __getattr__(self, name):
         return getattr(self.data, name)
+
+
+def epoch_rows(cfg, process_count: int = 1) -> dict:
+    """One epoch of rows in order through `build_train_data` (a config with data.shuffle=false): processes
+    0..P-1 of P each read their share, each global batch their shares one after another; each field [rows, L]."""
+    import numpy as np
+
+    from jaxtrain.data import build_train_data
+    from jaxtrain.data.packing import FIELDS
+
+    shares = []
+    for p in range(process_count):
+        data = build_train_data(cfg, p, process_count)
+        try:
+            shares.append([next(data) for _ in range(data.num_batches)])
+            n = data.num_sequences
+        finally:
+            data.close()
+    return {k: np.concatenate([np.concatenate([s[b][k] for s in shares]) for b in range(len(shares[0]))])[:n]
+            for k in FIELDS}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import epoch_rows
 from real_text import EOT, stdlib_sources
 from test_chat import CHATML_GEN, COUNTING, tokenizer_dir, train_chat_tokenizer
 
@@ -89,19 +90,8 @@ def chat_config(chat_dir: Path, path: Path, *extra: str):
 def all_rows(cfg, process_count: int = 1) -> list[dict[str, np.ndarray]]:
     """One epoch of rows, in order, through build_train_data (data.shuffle=false); with `process_count` > 1,
     processes 0..P-1 of P each read their share and each global batch is their shares one after another."""
-    shares = []
-    for p in range(process_count):
-        data = build_train_data(cfg, p, process_count)
-        try:
-            shares.append([next(data) for _ in range(data.num_batches)])
-            n = data.num_sequences
-        finally:
-            data.close()
-    rows = []
-    for b in range(len(shares[0])):
-        batch = {k: np.concatenate([s[b][k] for s in shares]) for k in FIELDS}
-        rows += [{k: batch[k][j] for k in FIELDS} for j in range(len(batch["tokens"]))]
-    return rows[:n]
+    epoch = epoch_rows(cfg, process_count)
+    return [{k: epoch[k][j] for k in FIELDS} for j in range(len(epoch["tokens"]))]
 
 
 def assert_same_rows(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
-from helpers import TINY
+from helpers import TINY, epoch_rows
 from real_text import EOT, stdlib_sources, train_tokenizer
 from storage_servers import storage_servers
 
@@ -81,16 +81,7 @@ def one_epoch(overrides: list[str], process_count: int) -> dict[str, np.ndarray]
     """The rows of one epoch (file order) as `build_train_data` gives them, the processes' shares put together."""
     cfg = load_config(None, [*overrides, f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ_LEN}",
                              f"data.global_batch_size={BATCH}", "data.shuffle=false"])
-    shares = []
-    for p in range(process_count):
-        data = build_train_data(cfg, p, process_count)
-        try:
-            shares.append([next(data) for _ in range(data.num_batches)])
-            n = data.num_sequences
-        finally:
-            data.close()
-    return {k: np.concatenate([np.concatenate([s[b][k] for s in shares]) for b in range(len(shares[0]))])[:n]
-            for k in FIELDS}
+    return epoch_rows(cfg, process_count)
 
 
 def assert_epoch_is(rows: dict[str, np.ndarray], expected: np.ndarray) -> None:
