@@ -13,13 +13,14 @@ chat rows (the docstrings as assistant replies, `data.format=chat`, a ChatML tem
 Each source is measured in its own child process pinned to one core (`os.sched_setaffinity`, one
 thread for Eigen, tokenizers/rayon and OpenMP) with the cpu-tiny batch shape and `data.prefetch=0`,
 so the producer itself is timed, not a prefetch thread on another core:
-  - open: `build_train_data(cfg)` plus the first batch (tokenizing at open included: the text
-    columns; token files and token columns only read lengths or ids);
+  - open, cold: `build_train_data(cfg)` plus the first batch with an empty token cache (text tokenized in the
+    child, `data.tokenize_workers=0`, and written to the cache; token files and token columns only read lengths
+    or ids); open, warm: the same with the cache the cold open left (what a restart or resume pays);
   - steady state: `next()` for `--seconds`, tokens/s = batches x batch x seq_len / time (padding
     positions included: they are what the step consumes).
 Beside each own timer, the outside wall clock of the child processes (T: the faster of two runs):
 open = T(open only) - T(a child that only imports jaxtrain.data), so it also holds the format's library
-imports and the exit; rate = batches x tokens / (T(timed run) - T(open only)).
+imports and the exit; rate = batches x tokens / (T(timed run) - T(warm open only)): both open from the warm cache.
 
 The consumer: `jaxtrain train --config configs/bench/cpu-tiny.yaml --cpu-devices 1` on the token files
 (real text, all cores, its own XLA flags), run for --short and --long steps: tokens/s = 2048 / the
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_TINY = REPO / "configs/bench/cpu-tiny.yaml"
@@ -222,9 +224,11 @@ def child(spec: dict) -> dict:
             "affinity": sorted(os.sched_getaffinity(0))}
 
 
-def run_child(spec: dict, core: int) -> tuple[float, dict]:
-    """(outside wall seconds, the child's result) of one pinned child process."""
+def run_child(spec: dict, core: int, cache: Optional[Path] = None) -> tuple[float, dict]:
+    """(outside wall seconds, the child's result) of one pinned child process; `cache`: its token cache folder."""
     env = dict(os.environ, **ONE_THREAD_ENV)
+    if cache is not None:
+        env["JAXTRAIN_DATA_CACHE"] = str(cache)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--core", str(core)]
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
@@ -234,15 +238,21 @@ def run_child(spec: dict, core: int) -> tuple[float, dict]:
     return wall, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_source(overrides: list[str], core: int, seconds: float, baseline_s: float) -> dict:
-    """One source: open-only twice (the faster counts) and one timed run, each a pinned child."""
-    (opened_wall, opened), _ = sorted((run_child({"overrides": overrides, "seconds": 0}, core) for _ in range(2)),
-                                      key=lambda x: x[0])
-    timed_wall, timed = run_child({"overrides": overrides, "seconds": seconds}, core)
+def measure_source(overrides: list[str], core: int, seconds: float, baseline_s: float, root: Path) -> dict:
+    """One source: a cold open-only twice (each into an empty token cache: text is tokenized; the faster counts), a
+    warm open-only (the cache of the last cold one: nothing is tokenized) and a timed run, each a pinned child."""
+    colds = []
+    for k in range(2):
+        cache = Path(tempfile.mkdtemp(prefix=f"cache{k}_", dir=root))
+        colds.append(run_child({"overrides": overrides, "seconds": 0}, core, cache))
+    (opened_wall, opened), _ = sorted(colds, key=lambda x: x[0])
+    warm_wall, warm = run_child({"overrides": overrides, "seconds": 0}, core, cache)
+    timed_wall, timed = run_child({"overrides": overrides, "seconds": seconds}, core, cache)
     tokens = timed["batches"] * timed["tokens_per_batch"]
     return {"open_s": round(opened["open_s"], 3), "open_outside_s": round(opened_wall - baseline_s, 3),
+            "open_warm_s": round(warm["open_s"], 3), "open_warm_outside_s": round(warm_wall - baseline_s, 3),
             "tokens_per_s": round(tokens / timed["timed_s"]),
-            "tokens_per_s_outside": round(tokens / max(timed_wall - opened_wall, 1e-9)),
+            "tokens_per_s_outside": round(tokens / max(timed_wall - warm_wall, 1e-9)),  # both open from the warm cache
             "batches": timed["batches"], "non_padding": round(timed["real_fraction"], 4),
             "affinity": timed["affinity"]}
 
@@ -284,18 +294,19 @@ def measure_step(tokens_dir: Path, root: Path, short: int, long: int, skip: int)
 
 def table(result: dict) -> str:
     step = result["step"]
-    lines = ["| source | open s (own / outside) | tokens/s, one core (own / outside) | × step (own / outside) |",
-             "|---|---:|---:|---:|"]
+    lines = ["| source | open s, cold (own / outside) | open s, warm cache (own / outside) | tokens/s, one core "
+             "(own / outside) | × step (own / outside) |", "|---|---:|---:|---:|---:|"]
     for name, r in result["sources"].items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | |")
             continue
         pad = f" ({r['non_padding']:.0%} non-padding)" if r["non_padding"] < 0.999 else ""
         ratio = f"**{r['ratio']:,.0f}×** / {r['ratio_outside']:,.0f}×" if "ratio" in r else "–"
-        lines.append(f"| {name} | {r['open_s']:.3f} / {r['open_outside_s']:.2f} | {r['tokens_per_s']:,} / "
+        lines.append(f"| {name} | {r['open_s']:.3f} / {r['open_outside_s']:.2f} | {r['open_warm_s']:.3f} / "
+                     f"{r['open_warm_outside_s']:.2f} | {r['tokens_per_s']:,} / "
                      f"{r['tokens_per_s_outside']:,}{pad} | {ratio} |")
     if step:
-        lines.append(f"| cpu-tiny step consumes (all cores) | | {step['tokens_per_s']:,.0f} / "
+        lines.append(f"| cpu-tiny step consumes (all cores) | | | {step['tokens_per_s']:,.0f} / "
                      f"{step['tokens_per_s_outside']:,.0f} | target ≥ {TARGET:.0f}× |")
     return "\n".join(lines)
 
@@ -327,7 +338,8 @@ def main() -> None:
     cpu_tiny = load_config(CPU_TINY, [])
     d = cpu_tiny.data
     shape = [f"data.seq_len={d.seq_len}", f"data.global_batch_size={d.global_batch_size}",
-             f"model.max_seq_len={d.seq_len}", f"model.vocab_size={cpu_tiny.model.vocab_size}", "data.prefetch=0"]
+             f"model.max_seq_len={d.seq_len}", f"model.vocab_size={cpu_tiny.model.vocab_size}", "data.prefetch=0",
+             "data.tokenize_workers=0"]  # one core: tokenized in the child itself, the rate of that core
     started, load_start = time.perf_counter(), loadavg()
     root = Path(tempfile.mkdtemp(prefix="bench_data_"))
     try:
@@ -343,7 +355,7 @@ def main() -> None:
         sources: dict[str, dict] = {}
         for name, overrides in built["sources"].items():
             try:
-                sources[name] = measure_source(overrides + shape, args.core, args.seconds, baseline_s)
+                sources[name] = measure_source(overrides + shape, args.core, args.seconds, baseline_s, root)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 sources[name] = {"error": str(e)}
             r = sources[name]
