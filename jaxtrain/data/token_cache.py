@@ -21,7 +21,8 @@ processes of one host, or hosts sharing a file system) each write a whole entry 
 Files still to encode go to `data.tokenize_workers` worker processes (`python -m jaxtrain.data.tokenize_worker`,
 started fresh: never a fork of a process that runs JAX), the largest files first, each worker a share
 of the files. Inputs under `INLINE_BYTES` are encoded in the opening process: starting a worker costs
-more than they do. The ids are then memory-mapped from the entry (documents) or read (examples, which
+more than they do. The processes of one host that open the same files at once take turns on a lock file:
+one encodes, the others then read its entries. The ids are then memory-mapped from the entry (documents) or read (examples, which
 are packed in memory). So the tokenizer runs once per file per host, on no training thread, and a
 restarted or resumed run opens its corpus without tokenizing anything.
 """
@@ -29,6 +30,7 @@ restarted or resumed run opens its corpus without tokenizing anything.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -266,9 +268,25 @@ def encode(encoding: Encoding, files: Sequence[Path], key: str, tokenizer: Token
     """
     root = cache_root()
     entries = [root / entry_digest(encoding, f) for f in files]
+    if any(not (e / "info.json").exists() for e in entries):
+        _check_writable(root, key)
+        # The processes of one host opening the same files take turns: the first encodes, the others then
+        # find its entries (a lock file per set of entries; flock is released if its holder dies).
+        locks = root / ".locks"  # left in place: removing a lock file another process holds would split the turn
+        locks.mkdir(exist_ok=True)
+        with open(locks / hashlib.sha256("".join(e.name for e in entries).encode()).hexdigest()[:32], "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            _encode_missing(encoding, files, entries, key, tokenizer, encoder, workers, inline_bytes)
+    return [_load(e) for e in entries]
+
+
+def _encode_missing(encoding: Encoding, files: Sequence[Path], entries: list[Path], key: str, tokenizer: Tokenizer,
+                    encoder: Encoder, workers: Optional[int], inline_bytes: Optional[int]) -> None:
+    """Encode the files whose entries are still missing (another process may have written them while this one
+    waited for the lock), in this process or in workers."""
+    root = cache_root()
     todo = [(f, e) for f, e in zip(files, entries) if not (e / "info.json").exists()]
     if todo:
-        _check_writable(root, key)
         size = sum(f.stat().st_size for f, _ in todo)
         workers = min(os.cpu_count() or 1, 32) if workers is None else workers
         workers = min(workers, len(todo))
@@ -288,7 +306,6 @@ def encode(encoding: Encoding, files: Sequence[Path], key: str, tokenizer: Token
             "%s: tokenized %d file(s), %.1f MB, in %.1f s (%s); cached for the next open under %s", key, len(todo),
             size / 1e6, time.perf_counter() - start, f"{workers} worker processes" if workers else "in this process",
             root)
-    return [_load(e) for e in entries]
 
 
 def _check_writable(root: Path, key: str) -> None:

@@ -88,7 +88,7 @@ def test_a_second_open_reads_the_cache_and_tokenizes_nothing(text, tmp_path, mon
     expected = stream(text.encode([*text.halves()[0], *text.halves()[1]]), text.eod)
     monkeypatch.setattr(token_cache, "INLINE_BYTES", 0)  # the first open hands both files to the workers
     check_source(overrides, expected)  # (and the opens of the two processes after it read the cache)
-    entries = sorted(p.name for p in cache.iterdir())
+    entries = sorted(p.name for p in cache.iterdir() if p.name != ".locks")
     assert len(entries) == 2  # one entry per file, nothing else (no temporary folders left)
     first = one_epoch(overrides, 1)
     monkeypatch.setattr(HFTokenizer, "encode_batch", lambda *a: pytest.fail("tokenized again"))
@@ -97,7 +97,7 @@ def test_a_second_open_reads_the_cache_and_tokenizes_nothing(text, tmp_path, mon
         np.testing.assert_array_equal(again[k], first[k])
     corpus = open_text(str(folder), load_tokenizer(str(text.tokenizer)), vocab_size=VOCAB)
     assert all(isinstance(a, np.memmap) for a in corpus.arrays)
-    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert sorted(p.name for p in cache.iterdir() if p.name != ".locks") == entries
 
 
 def test_a_changed_file_or_setting_is_a_new_entry(text, tmp_path, cache):
@@ -113,7 +113,7 @@ def test_a_changed_file_or_setting_is_a_new_entry(text, tmp_path, cache):
     np.testing.assert_array_equal(tokens("body"), stream(text.encode([d.upper() for d in docs]), text.eod))
     path.write_text(path.read_text() + json.dumps({"text": "one more document"}) + "\n")  # same path, appended
     np.testing.assert_array_equal(tokens(), stream(text.encode([*docs, "one more document"]), text.eod))
-    assert len(list(cache.iterdir())) == 3
+    assert len([p for p in cache.iterdir() if p.name != ".locks"]) == 3
 
 
 def test_a_bad_row_in_a_worker_is_the_same_one_line_error_and_leaves_no_entry(text, tmp_path, monkeypatch):
@@ -158,3 +158,33 @@ def test_a_cache_folder_that_cannot_be_written_is_one_line(text, tmp_path, monke
     with pytest.raises(ConfigError, match=r"^data.path: the token cache .* cannot be written \(Not a directory\); "
                                           r"set JAXTRAIN_DATA_CACHE to a writable folder$"):
         open_text(str(path), load_tokenizer(str(text.tokenizer)), vocab_size=VOCAB)
+
+
+def test_processes_opening_the_same_files_at_once_encode_each_file_once(text, tmp_path):
+    """Four openers at once (threads: each takes its own lock-file descriptor, as processes do) encode each file
+    once; the others wait, then read that entry."""
+    import threading
+
+    folder = write_jsonl(text, tmp_path / "jsonl")
+    files = resolve_paths(str(folder), "data.path", TEXT_SUFFIXES)
+    tok = load_tokenizer(str(text.tokenizer))
+    encoding = token_cache.Encoding.of("documents", "text", tok, text_field="text")
+    calls, results = [], []
+
+    def counting(*args):
+        calls.append(args[1])
+        return encode_documents(*args)
+
+    def opener():
+        results.append(token_cache.encode(encoding, files, "data.path", tok, counting, workers=0))
+
+    threads = [threading.Thread(target=opener) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == sorted(files)  # each file encoded once, by whichever opener came first
+    assert len(results) == 4
+    for r in results:
+        for got, want in zip(r, results[0]):
+            np.testing.assert_array_equal(got.tokens, want.tokens)
