@@ -16,7 +16,6 @@ first (`remote_files.py`). pyarrow and array_record are imported only when such 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +26,7 @@ import numpy as np
 from jaxtrain.config import ConfigError
 from jaxtrain.data import arrayrecord_source, hf_datasets_source, parquet_source, token_cache
 from jaxtrain.data.record_fields import TokenDocuments
-from jaxtrain.data.remote_files import local_files, source_url
+from jaxtrain.data.remote_files import local_files, source_url, urls_in_errors
 from jaxtrain.data.sources import TEXT_SUFFIXES, Corpus, check_vocab, iter_documents, jsonl_rows
 from jaxtrain.data.tokenizer import Tokenizer
 
@@ -98,18 +97,6 @@ def _files(source: str, spec: str, key: str) -> list[Path]:
     return files
 
 
-@contextlib.contextmanager
-def _named(path: Path) -> Iterator[None]:
-    """Errors about a cached copy of a bucket's object name the object's URL, which the user wrote."""
-    try:
-        yield
-    except ConfigError as e:
-        url = source_url(path)
-        if url is None:
-            raise
-        raise ConfigError(str(e).replace(str(path), url)) from None
-
-
 def row_files(source: str, spec: str, key: str) -> list[Path]:
     """The local files of a source of rows, in reading order (remote ones copied first).
 
@@ -130,7 +117,7 @@ def row_files(source: str, spec: str, key: str) -> list[Path]:
 
 def file_rows(source: str, path: Path, key: str) -> Iterator[tuple[str, dict]]:
     """Every row of one local file (from `row_files`) as `(where, fields)`, `where` naming its file and row."""
-    with _named(path):
+    with urls_in_errors([path]):
         if source == "text":
             yield from jsonl_rows(path, key)
         else:
@@ -172,7 +159,7 @@ def encode_documents(encoding: token_cache.Encoding, path: Path, key: str, token
     eod = np.array([tokenizer.eod_id], dtype)
     parts: list[np.ndarray] = []
     docs = 0
-    with _named(path):
+    with urls_in_errors([path]):
         for batch in _file_texts(encoding.source, path, encoding.text_field, key):
             for ids in tokenizer.encode_batch([t for t in batch if t]):
                 if len(ids):
@@ -249,13 +236,13 @@ def open_documents(source: str, spec: str, *, tokenizer: Tokenizer, text_field: 
     files = _files(source, spec, key)
     metas = {}
     for f in files:
-        with _named(f):
+        with urls_in_errors([f]):
             metas[f] = arrayrecord_source.prepared_meta(f, key) if source == "arrayrecord" else None
     texts = [f for f in files if metas[f] is None and not tokens_field]
     encoding = token_cache.Encoding.of("documents", source, tokenizer, text_field=text_field)
     encoded = dict(zip(texts, token_cache.encode(encoding, texts, key, tokenizer, encode_documents, workers=workers)))
     for f in files:
-        with _named(f):
+        with urls_in_errors([f]):
             meta = metas[f]
             if meta is not None or tokens_field:
                 docs: TokenDocuments = (arrayrecord_source.prepared_documents(f, meta, key) if meta is not None

@@ -191,13 +191,6 @@ def write_entry(entry: Path, encoding: Encoding, path: Path, made: FileEncoding)
 # ----------------------------------------------------------------------------- workers
 
 
-def _url_named(message: str, path: Path) -> str:
-    """A message about a cached copy of a bucket's object names the object's URL, which the user wrote."""
-    from jaxtrain.data.remote_files import source_url
-    url = source_url(path)
-    return message.replace(str(path), url) if url else message
-
-
 def _shares(sizes: list[int], workers: int) -> list[list[int]]:
     """Indices split into `workers` shares of about equal bytes: the largest first, each to the lightest share."""
     shares: list[list[int]] = [[] for _ in range(workers)]
@@ -239,7 +232,7 @@ def _run_workers(encoding: Encoding, jobs: list[tuple[Path, Path]], key: str, wo
                 lines = text.strip().splitlines()
                 if lines and lines[-1].startswith(ERROR_MARK):
                     found = json.loads(lines[-1][len(ERROR_MARK):])
-                    raise ConfigError(_url_named(found["message"], Path(found["path"])))
+                    raise ConfigError(found["message"])  # the encoders name a bucket's object by its URL
                 raise RuntimeError(f"a tokenizing worker failed (exit {p.returncode}): {' | '.join(lines[-5:])}")
             time.sleep(0.05)
     finally:
@@ -295,10 +288,7 @@ def _encode_missing(encoding: Encoding, files: Sequence[Path], entries: list[Pat
         start = time.perf_counter()
         if workers == 0:
             for f, e in todo:
-                try:
-                    write_entry(e, encoding, f, encoder(encoding, f, key, tokenizer))
-                except ConfigError as err:
-                    raise ConfigError(_url_named(str(err), f)) from None
+                write_entry(e, encoding, f, encoder(encoding, f, key, tokenizer))
         else:
             _run_workers(encoding, todo, key, workers)
         # said only where it took workers: the wait a user sees once, then never again for these files
