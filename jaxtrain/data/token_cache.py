@@ -15,8 +15,9 @@ file's identity is its path, size, modification time, inode and a hash of its fi
 encoding is everything that decides the ids: the tokenizer file's content hash, the eod id, the field, the
 row format, the chat template and its variables, and `CACHE_VERSION`. A changed file or setting is a new
 entry; nothing is ever overwritten. Entries are written into a temporary folder and renamed into place,
-so a killed encoder leaves nothing that is read, and processes encoding the same file at once (the
-processes of one host, or hosts sharing a file system) each write a whole entry and one wins.
+so a killed encoder leaves nothing that is read (its folder is removed by the next encoder of that file
+once a day old), and processes encoding the same file at once (hosts sharing a file system) each write a
+whole entry and one wins.
 
 Files still to encode go to `data.tokenize_workers` worker processes (`python -m jaxtrain.data.tokenize_worker`,
 started fresh: never a fork of a process that runs JAX), the largest files first, each worker a share
@@ -54,6 +55,7 @@ _log = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when an encoder's output changes: old entries are then never read
 INLINE_BYTES = 4 << 20  # inputs smaller than this are encoded in the opening process (module constant: tests)
 _EDGE_BYTES = 64 << 10  # hashed from each end of a file, besides its size and times
+ABANDONED_S = 24 * 3600  # a temporary folder older than this belongs to a writer that died
 ERROR_MARK = "jaxtrain-token-cache-config-error: "  # a worker's ConfigError, as the last line of its stderr
 WORKER_MODULE = "jaxtrain.data.tokenize_worker"  # run as `python -m`: it imports the encoders, this module does not
 
@@ -279,6 +281,8 @@ def _encode_missing(encoding: Encoding, files: Sequence[Path], entries: list[Pat
     waited for the lock), in this process or in workers."""
     root = cache_root()
     todo = [(f, e) for f, e in zip(files, entries) if not (e / "info.json").exists()]
+    for _, e in todo:
+        _remove_abandoned(e)
     if todo:
         size = sum(f.stat().st_size for f, _ in todo)
         workers = min(os.cpu_count() or 1, 32) if workers is None else workers
@@ -296,6 +300,17 @@ def _encode_missing(encoding: Encoding, files: Sequence[Path], entries: list[Pat
             "%s: tokenized %d file(s), %.1f MB, in %.1f s (%s); cached for the next open under %s", key, len(todo),
             size / 1e6, time.perf_counter() - start, f"{workers} worker processes" if workers else "in this process",
             root)
+
+
+def _remove_abandoned(entry: Path) -> None:
+    """Remove temporary folders of `entry` left by writers killed mid-save (older than ABANDONED_S: a writer
+    still at work elsewhere, on another host sharing the cache, keeps its folder)."""
+    for tmp in entry.parent.glob(f".{entry.name}.*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > ABANDONED_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:  # its writer renamed or removed it meanwhile
+            pass
 
 
 def _check_writable(root: Path, key: str) -> None:

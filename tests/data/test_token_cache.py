@@ -10,6 +10,8 @@ entry is left for it; an incomplete entry is never read.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +138,7 @@ def test_a_bad_row_in_a_worker_is_the_same_one_line_error_and_leaves_no_entry(te
     assert messages[0].startswith(f"data.path: {bad}:3 has no string field 'text'"), messages[0]
 
 
-def test_an_incomplete_entry_is_never_read(text, tmp_path, cache):
+def test_an_incomplete_entry_is_never_read_and_an_abandoned_one_is_removed(text, tmp_path, cache):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in text.docs[:10]))
     tok = load_tokenizer(str(text.tokenizer))
@@ -144,10 +146,15 @@ def test_an_incomplete_entry_is_never_read(text, tmp_path, cache):
     entry = cache / token_cache.entry_digest(encoding, path)
     entry.mkdir(parents=True)  # what a writer killed mid-way could leave if it wrote in place: no info.json
     np.save(entry / "tokens.npy", np.zeros(3, np.uint16))
-    (cache / f".{entry.name}.stale").mkdir()  # a killed writer's temporary folder
+    stale, fresh = cache / f".{entry.name}.stale", cache / f".{entry.name}.fresh"
+    for folder in (stale, fresh):  # a killed writer's temporary folder (2 days old), and one still at work
+        folder.mkdir()
+        (folder / "tokens.npy").write_bytes(b"partial")
+    os.utime(stale, (time.time() - 2 * 86400,) * 2)
     (got,) = token_cache.encode(encoding, [path], "data.path", tok, encode_documents, workers=0)
     np.testing.assert_array_equal(got.tokens, stream(text.encode(text.docs[:10]), text.eod))
     assert (entry / "info.json").exists()
+    assert not stale.exists() and fresh.exists()
 
 
 def test_a_cache_folder_that_cannot_be_written_is_one_line(text, tmp_path, monkeypatch):
