@@ -656,7 +656,7 @@ class DataConfig:
     shuffle: bool = True  # shuffle rows with data.seed, a new order every epoch (false: file order)
     seed: int = 0  # seeds the global data order (independent of run.seed)
     prefetch: int = 2  # batches prepared ahead on background threads
-    # Processes that tokenize text files not yet in the token cache (null = one per CPU, at most 32; 0 = the
+    # Processes that tokenize text files not yet in the token cache (null = one per CPU it may use, at most 32; 0 = the
     # opening process). Each file is tokenized once per host and kept under JAXTRAIN_DATA_CACHE.
     tokenize_workers: Optional[int] = None
     eval: Optional[str] = None  # held-out path for the same source (file, directory or glob; null = none)

@@ -27,7 +27,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import arrayrecord_source, hf_datasets_source, parquet_source, token_cache
 from jaxtrain.data.record_fields import TokenDocuments
 from jaxtrain.data.remote_files import local_files, source_url, urls_in_errors
-from jaxtrain.data.sources import TEXT_SUFFIXES, Corpus, check_vocab, iter_documents, jsonl_rows
+from jaxtrain.data.sources import TEXT_SUFFIXES, Corpus, check_vocab, encode_with_eod, iter_documents, jsonl_rows
 from jaxtrain.data.tokenizer import Tokenizer
 
 FORMATS: dict[str, ModuleType] = {"arrayrecord": arrayrecord_source, "parquet": parquet_source,
@@ -156,20 +156,16 @@ def _file_texts(source: str, path: Path, field: str, key: str) -> Iterator[list[
 def encode_documents(encoding: token_cache.Encoding, path: Path, key: str, tokenizer: Tokenizer) -> token_cache.FileEncoding:
     """One file's documents tokenized (a `token_cache.Encoder`): each non-empty text's ids, then the eod id."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32  # halves a small vocabulary's size
-    eod = np.array([tokenizer.eod_id], dtype)
     parts: list[np.ndarray] = []
     docs = 0
     with urls_in_errors([path]):
         for batch in _file_texts(encoding.source, path, encoding.text_field, key):
-            for ids in tokenizer.encode_batch([t for t in batch if t]):
-                if len(ids):
-                    parts += [ids.astype(dtype), eod]
-                    docs += 1
+            ids, n = encode_with_eod(batch, tokenizer, dtype)
+            parts.append(ids)
+            docs += n
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
     return token_cache.FileEncoding({"tokens": tokens}, {"documents": docs, "tokens": len(tokens),
                                                          "max_id": int(tokens.max()) if docs else 0})
-
-
 
 
 def open_text(spec: str, tokenizer: Tokenizer, *, vocab_size: int, text_field: str = "text",

@@ -40,9 +40,6 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 _SCAN_CHUNK = 1 << 24  # tokens per step when scanning for the largest id (bounded memory)
 
 
-# ----------------------------------------------------------------------------- paths
-
-
 # ----------------------------------------------------------------------------- the corpus
 
 
@@ -253,11 +250,16 @@ def tokenize_files(files: list[Path], tokenizer: Tokenizer, text_field: str = "t
       (uint32 ids of some whole documents, how many documents, how many characters of text they
       came from: for progress). Empty documents are skipped.
     """
-    eod = np.array([tokenizer.eod_id], np.uint32)
     for f in files:
         docs = iter_documents(f, text_field, key)
         while batch := list(itertools.islice(docs, batch_docs)):
-            chars = sum(len(d) for d in batch)
-            ids = [x for x in tokenizer.encode_batch([d for d in batch if d]) if len(x)]
-            joined = np.concatenate([part for x in ids for part in (x, eod)]) if ids else np.zeros(0, np.uint32)
-            yield joined, len(ids), chars
+            joined, n = encode_with_eod(batch, tokenizer)
+            yield joined, n, sum(len(d) for d in batch)
+
+
+def encode_with_eod(texts: list[str], tokenizer: Tokenizer, dtype: type = np.uint32) -> tuple[np.ndarray, int]:
+    """The non-empty texts' ids, each followed by the eod id, as one array of `dtype`; and how many texts gave ids
+    (an empty text, or one that encodes to nothing, adds nothing, not even an eod)."""
+    eod = np.array([tokenizer.eod_id], dtype)
+    ids = [x.astype(dtype) for x in tokenizer.encode_batch([t for t in texts if t]) if len(x)]
+    return (np.concatenate([part for x in ids for part in (x, eod)]) if ids else np.zeros(0, dtype)), len(ids)

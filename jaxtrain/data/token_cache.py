@@ -209,7 +209,7 @@ def _run_workers(encoding: Encoding, jobs: list[tuple[Path, Path]], key: str, wo
     shares = _shares([f.stat().st_size for f, _ in jobs], workers)
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # a worker never opens an accelerator
     # tokenizers' own threads, split between the workers rather than each taking every core
-    env["RAYON_RS_NUM_CPUS"] = str(max(1, (os.cpu_count() or 1) // len(shares)))
+    env["RAYON_RS_NUM_CPUS"] = str(max(1, len(os.sched_getaffinity(0)) // len(shares)))
     procs: list[tuple[subprocess.Popen, object]] = []
     try:
         for share in shares:
@@ -285,7 +285,8 @@ def _encode_missing(encoding: Encoding, files: Sequence[Path], entries: list[Pat
         _remove_abandoned(e)
     if todo:
         size = sum(f.stat().st_size for f, _ in todo)
-        workers = min(os.cpu_count() or 1, 32) if workers is None else workers
+        # the CPUs this process may run on (a SLURM task's or container's share), not the machine's
+        workers = min(len(os.sched_getaffinity(0)), 32) if workers is None else workers
         workers = min(workers, len(todo))
         if size < (INLINE_BYTES if inline_bytes is None else inline_bytes):
             workers = 0
